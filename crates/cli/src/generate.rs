@@ -1,0 +1,398 @@
+//! `ds4 run` and `ds4 chat`: load a model, prefill, generate, print.
+
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ds4_chat::{ChatMl, Message, Role};
+use ds4_engine::sampler::{argmax, log_softmax, top_k};
+use ds4_engine::tokenizer::StreamDecoder;
+use ds4_engine::{Model, Precision, Sampler, SamplerConfig, Session, SessionOptions, ThreadPool};
+use serde::Serialize;
+
+use crate::{models, ModelArgs};
+
+#[derive(Args, Clone, Debug)]
+pub struct SamplingArgs {
+    /// Temperature; 0 = greedy.
+    #[arg(long = "temp", default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Nucleus sampling threshold (1 disables).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Keep only the K most likely tokens (0 disables).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Drop tokens less likely than this fraction of the best (0 disables).
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Random seed (default: from the clock).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Maximum tokens to generate.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
+    pub n_predict: usize,
+}
+
+impl SamplingArgs {
+    fn config(&self) -> SamplerConfig {
+        let seed = self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+        });
+        SamplerConfig {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed,
+        }
+    }
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Prompt text (special tokens such as <|im_start|> are parsed).
+    #[arg(short = 'p', long, conflicts_with_all = ["prompt_file", "prompt_ids"])]
+    pub prompt: Option<String>,
+    /// Read the prompt text from a file.
+    #[arg(long, value_name = "FILE", conflicts_with = "prompt_ids")]
+    pub prompt_file: Option<PathBuf>,
+    /// A JSON array of token ids used instead of prompt text.
+    #[arg(long, value_name = "FILE")]
+    pub prompt_ids: Option<PathBuf>,
+    /// Print the prompt's token ids and pieces, then exit.
+    #[arg(long)]
+    pub dump_tokens: bool,
+    /// Write the greedy continuation (or the forced one) with the top-k
+    /// log-probabilities of every step as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub dump_logprobs: Option<PathBuf>,
+    /// How many log-probabilities per step --dump-logprobs records.
+    #[arg(long, default_value_t = 5)]
+    pub logprobs_top_k: usize,
+    /// A JSON array of token ids fed instead of sampled ones (one step each).
+    #[arg(long, value_name = "FILE")]
+    pub teacher_force: Option<PathBuf>,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// System message (default: the model template's own, if it has one).
+    #[arg(long)]
+    pub system: Option<String>,
+}
+
+struct Loaded {
+    model: Arc<Model>,
+    session: Session,
+    path: PathBuf,
+}
+
+fn load(a: &ModelArgs) -> Result<Loaded> {
+    let path = models::resolve(a.model.as_deref())?;
+    let t = Instant::now();
+    let model =
+        Arc::new(Model::load(&path).with_context(|| format!("loading {}", path.display()))?);
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let opts = SessionOptions {
+        n_ctx: a.ctx,
+        prefill_chunk: a.prefill_chunk,
+        precision: if a.exact {
+            Precision::Exact
+        } else {
+            Precision::Fast
+        },
+    };
+    let session = Session::new(
+        Arc::clone(&model),
+        Arc::new(ThreadPool::new(threads)),
+        &opts,
+    );
+    let hp = &model.hparams;
+    eprintln!(
+        "loaded {} ({}, {} layers, {} embd, {} vocab) in {:.2} s; ctx {}, {} threads, {} path",
+        path.file_name().map_or_else(
+            || path.display().to_string(),
+            |f| f.to_string_lossy().into_owned()
+        ),
+        hp.arch,
+        hp.n_layer,
+        hp.n_embd,
+        hp.n_vocab,
+        t.elapsed().as_secs_f64(),
+        a.ctx,
+        threads,
+        if a.exact { "exact" } else { "fast" },
+    );
+    Ok(Loaded {
+        model,
+        session,
+        path,
+    })
+}
+
+fn read_ids(path: &Path) -> Result<Vec<u32>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("{}: expected a JSON array of token ids", path.display()))
+}
+
+#[derive(Serialize)]
+struct TopEntry {
+    token_id: u32,
+    text: String,
+    logprob: f32,
+}
+
+#[derive(Serialize)]
+struct Step {
+    token_id: u32,
+    text: String,
+    logprob: f32,
+    top: Vec<TopEntry>,
+}
+
+#[derive(Serialize)]
+struct LogprobDump {
+    model: String,
+    precision: &'static str,
+    mode: &'static str,
+    prompt_token_ids: Vec<u32>,
+    steps: Vec<Step>,
+}
+
+pub fn run(a: &RunArgs) -> Result<()> {
+    let Loaded {
+        model,
+        mut session,
+        path,
+    } = load(&a.model)?;
+    let tok = &model.tokenizer;
+    let prompt_ids = if let Some(p) = &a.prompt_ids {
+        read_ids(p)?
+    } else {
+        let text = match (&a.prompt, &a.prompt_file) {
+            (Some(p), _) => p.clone(),
+            (None, Some(f)) => {
+                std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?
+            }
+            (None, None) => {
+                bail!("give a prompt with -p TEXT, --prompt-file FILE or --prompt-ids FILE")
+            }
+        };
+        tok.encode(&text, true, true)
+    };
+    if a.dump_tokens {
+        for &id in &prompt_ids {
+            let piece = tok.token_piece(id, true);
+            println!("{id:>7} {:?}", String::from_utf8_lossy(piece));
+        }
+        println!("{} tokens", prompt_ids.len());
+        return Ok(());
+    }
+    if prompt_ids.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let forced = a.teacher_force.as_deref().map(read_ids).transpose()?;
+
+    let t0 = Instant::now();
+    session.prefill(&prompt_ids)?;
+    let prefill_s = t0.elapsed().as_secs_f64();
+
+    let mut sampler = Sampler::new(if a.dump_logprobs.is_some() {
+        SamplerConfig {
+            temperature: 0.0,
+            ..a.sampling.config()
+        }
+    } else {
+        a.sampling.config()
+    });
+    let n_steps = forced.as_ref().map_or(a.sampling.n_predict, Vec::len);
+    let mut steps = Vec::new();
+    let mut stream = StreamDecoder::default();
+    let mut out = std::io::stdout().lock();
+    let t1 = Instant::now();
+    let mut n_decoded = 0;
+    for i in 0..n_steps {
+        let logits = session.logits()?;
+        let next = match &forced {
+            Some(f) => f[i],
+            None => sampler.sample(logits),
+        };
+        if a.dump_logprobs.is_some() {
+            let lp = log_softmax(logits);
+            let piece = |id: u32| String::from_utf8_lossy(tok.token_piece(id, true)).into_owned();
+            steps.push(Step {
+                token_id: next,
+                text: piece(next),
+                logprob: lp.get(next as usize).copied().unwrap_or(f32::NEG_INFINITY),
+                top: top_k(&lp, a.logprobs_top_k)
+                    .into_iter()
+                    .map(|(id, logprob)| TopEntry {
+                        token_id: id,
+                        text: piece(id),
+                        logprob,
+                    })
+                    .collect(),
+            });
+            debug_assert!(forced.is_some() || next == argmax(logits));
+        }
+        let text = stream.push(tok.token_piece(next, false));
+        out.write_all(text.as_bytes())?;
+        out.flush()?;
+        if forced.is_none() && tok.is_eog(next) {
+            break;
+        }
+        if i + 1 == n_steps {
+            break;
+        }
+        session.decode_step(next)?;
+        n_decoded += 1;
+    }
+    writeln!(out, "{}", stream.finish())?;
+    let decode_s = t1.elapsed().as_secs_f64();
+    eprintln!(
+        "prefill: {} tokens in {:.3} s ({:.1} t/s); decode: {} tokens in {:.3} s ({:.1} t/s)",
+        prompt_ids.len(),
+        prefill_s,
+        prompt_ids.len() as f64 / prefill_s,
+        n_decoded,
+        decode_s,
+        n_decoded as f64 / decode_s.max(1e-9),
+    );
+    if let Some(file) = &a.dump_logprobs {
+        let dump = LogprobDump {
+            model: path
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            precision: if a.model.exact { "exact" } else { "fast" },
+            mode: if forced.is_some() {
+                "teacher-forced"
+            } else {
+                "greedy"
+            },
+            prompt_token_ids: prompt_ids,
+            steps,
+        };
+        std::fs::write(file, serde_json::to_vec_pretty(&dump)?)
+            .with_context(|| format!("writing {}", file.display()))?;
+    }
+    Ok(())
+}
+
+pub fn chat(a: &ChatArgs) -> Result<()> {
+    let Loaded {
+        model, mut session, ..
+    } = load(&a.model)?;
+    let tok = &model.tokenizer;
+    let template = model
+        .chat_template()
+        .and_then(ChatMl::from_template)
+        .context("this model has no ChatML chat template; `ds4 chat` supports ChatML models (use `ds4 run` for raw prompts)")?;
+    let mut sampler = Sampler::new(a.sampling.config());
+    let mut history: Vec<Message> = a
+        .system
+        .iter()
+        .map(|s| Message::new(Role::System, s.clone()))
+        .collect();
+    // The text the live session represents, to prefill only what a turn adds.
+    let mut fed = String::new();
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout();
+    eprintln!("type a message; /reset clears the conversation, /exit quits");
+    loop {
+        write!(out, "> ")?;
+        out.flush()?;
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        match line.trim() {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                history.retain(|m| m.role == Role::System);
+                session.reset();
+                fed.clear();
+                eprintln!("(conversation cleared)");
+                continue;
+            }
+            _ => {}
+        }
+        history.push(Message::new(Role::User, line));
+        let full = template.render(&history, true);
+        let suffix = match full.strip_prefix(fed.as_str()) {
+            Some(s) => s.to_string(),
+            None => {
+                session.reset();
+                full.clone()
+            }
+        };
+        let ids = tok.encode(&suffix, false, true);
+        let t0 = Instant::now();
+        if let Err(e) = session.prefill(&ids) {
+            history.pop();
+            eprintln!("error: {e}; /reset starts a new conversation");
+            continue;
+        }
+        let prefill_s = t0.elapsed().as_secs_f64();
+        fed = full;
+
+        let t1 = Instant::now();
+        let mut reply = Vec::new();
+        let mut stream = StreamDecoder::default();
+        let mut n_gen = 0;
+        let mut closed_by = None;
+        while n_gen < a.sampling.n_predict {
+            let next = sampler.sample(session.logits()?);
+            n_gen += 1;
+            if tok.is_eog(next) {
+                // Feed the end-of-turn token so the session matches the rendered history.
+                closed_by = session.decode_step(next).is_ok().then_some(next);
+                break;
+            }
+            let piece = tok.token_piece(next, false);
+            reply.extend_from_slice(piece);
+            write!(out, "{}", stream.push(piece))?;
+            out.flush()?;
+            if let Err(e) = session.decode_step(next) {
+                eprintln!("\n(stopped: {e})");
+                break;
+            }
+        }
+        writeln!(out, "{}", stream.finish())?;
+        let reply = String::from_utf8_lossy(&reply).into_owned();
+        fed.push_str(&reply);
+        if let Some(end) = closed_by {
+            fed.push_str(&String::from_utf8_lossy(tok.token_piece(end, true)));
+        }
+        history.push(Message::new(Role::Assistant, reply));
+        eprintln!(
+            "[{} prompt tokens in {:.2} s, {} generated at {:.1} t/s, {} in context]",
+            ids.len(),
+            prefill_s,
+            n_gen,
+            n_gen as f64 / t1.elapsed().as_secs_f64().max(1e-9),
+            session.tokens().len()
+        );
+    }
+    Ok(())
+}

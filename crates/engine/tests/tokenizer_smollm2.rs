@@ -1,0 +1,374 @@
+//! SmolLM2 tokenizer against llama.cpp golden vectors (shared/vectors/llama-cpp):
+//! 47 strings x 4 (add_special x parse_special) encodings, their decoded pieces, and
+//! the ChatML prompts of the generation vectors.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use ds4_engine::tokenizer::{StreamDecoder, Tokenizer};
+use ds4_gguf::Gguf;
+use serde_json::Value;
+
+const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+fn model_path() -> PathBuf {
+    let home = std::env::var_os("DS4_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME").expect("HOME is not set");
+            PathBuf::from(home).join(".cache/ds4")
+        });
+    home.join("models").join(MODEL_FILE)
+}
+
+fn vectors_dir() -> PathBuf {
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../../shared/vectors/llama-cpp"
+    ))
+}
+
+fn load() -> Tokenizer {
+    let path = model_path();
+    if !path.exists() {
+        panic!(
+            "model missing: run `cargo run --release -p ds4-cli -- model pull smollm2` ({})",
+            path.display()
+        );
+    }
+    let g = Gguf::open(&path).expect("open GGUF");
+    Tokenizer::from_gguf(&g).expect("tokenizer from GGUF")
+}
+
+fn read_json(name: &str) -> Value {
+    let path = vectors_dir().join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn ids_of(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("id array")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+/// A vector piece: a string, or a list of byte values when not valid UTF-8 alone.
+fn piece_bytes(v: &Value) -> Vec<u8> {
+    match v {
+        Value::String(s) => s.as_bytes().to_vec(),
+        Value::Array(a) => a.iter().map(|b| b.as_u64().expect("byte") as u8).collect(),
+        _ => panic!("bad piece {v}"),
+    }
+}
+
+fn hex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+        .collect()
+}
+
+fn show(b: &[u8]) -> String {
+    format!("{:?}", String::from_utf8_lossy(b))
+}
+
+/// Describes the first difference between two id lists, with pieces on both sides.
+fn first_diff(tok: &Tokenizer, got: &[u32], want: &[u32], want_pieces: Option<&[Value]>) -> String {
+    let i = got.iter().zip(want).take_while(|(a, b)| a == b).count();
+    let ours = |id: Option<&u32>| {
+        id.map_or("<end>".into(), |&id| {
+            format!("{id} {}", show(tok.token_piece(id, true)))
+        })
+    };
+    let theirs = match (want.get(i), want_pieces.and_then(|p| p.get(i))) {
+        (Some(id), Some(p)) => format!("{id} {}", show(&piece_bytes(p))),
+        (Some(id), None) => format!("{id} {}", show(tok.token_piece(*id, true))),
+        (None, _) => "<end>".into(),
+    };
+    format!(
+        "first difference at position {i} (got {} ids, want {}): got {}, want {}",
+        got.len(),
+        want.len(),
+        ours(got.get(i)),
+        theirs
+    )
+}
+
+#[test]
+fn vocab_facts() {
+    let tok = load();
+    assert_eq!(tok.n_vocab(), 49152);
+    assert_eq!(tok.bos(), Some(1));
+    assert_eq!(tok.eos(), Some(2));
+    // vocab_info: EOG tokens 0 '<|endoftext|>', 2 '<|im_end|>', 4 '<reponame>'.
+    assert_eq!(tok.eog_ids(), [0, 2, 4]);
+    assert!(tok.is_eog(2) && !tok.is_eog(1) && !tok.is_eog(3));
+    assert_eq!(tok.token_id("<|im_start|>"), Some(1));
+    assert_eq!(tok.token_id("<|im_end|>"), Some(2));
+    assert_eq!(tok.token_id("<bos>"), None);
+    // LF token: 198 'Ċ'.
+    assert_eq!(tok.encode("\n", false, false), [198]);
+    assert_eq!(tok.token_piece(198, false), b"\n");
+    // Control tokens render only on request; out-of-range ids render as nothing.
+    assert_eq!(tok.token_piece(1, true), b"<|im_start|>");
+    assert_eq!(tok.token_piece(1, false), b"");
+    assert_eq!(tok.token_piece(49152, true), b"");
+}
+
+#[test]
+fn golden_tokenizer_vectors() {
+    let tok = load();
+    let doc = read_json("tokenizer_smollm2.json");
+    let cases = doc["cases"].as_array().expect("cases");
+    let mut failures = Vec::new();
+    let mut n_checked = 0;
+    for case in cases {
+        let name = case["name"].as_str().expect("name");
+        let text = case["text"].as_str().expect("text");
+        assert_eq!(
+            text.as_bytes(),
+            hex(case["text_hex"].as_str().expect("text_hex")),
+            "{name}: text_hex"
+        );
+        for enc in case["encodings"].as_array().expect("encodings") {
+            let variant = enc["variant"].as_str().expect("variant");
+            let add_special = enc["add_special"].as_bool().expect("add_special");
+            let parse_special = enc["parse_special"].as_bool().expect("parse_special");
+            let want = ids_of(&enc["ids"]);
+            let pieces = enc["pieces"].as_array().expect("pieces");
+            n_checked += 1;
+
+            let got = tok.encode(text, add_special, parse_special);
+            if got != want {
+                failures.push(format!(
+                    "{name} [{variant}] ids: {}",
+                    first_diff(&tok, &got, &want, Some(pieces))
+                ));
+            }
+            // Every piece, rendered with specials, is byte-exact.
+            for (i, (&id, p)) in want.iter().zip(pieces).enumerate() {
+                let (ours, theirs) = (tok.token_piece(id, true), piece_bytes(p));
+                if ours != theirs.as_slice() {
+                    failures.push(format!(
+                        "{name} [{variant}] piece {i} of id {id}: got {}, want {}",
+                        show(ours),
+                        show(&theirs)
+                    ));
+                }
+            }
+            let concat = hex(enc["pieces_concat_hex"]
+                .as_str()
+                .expect("pieces_concat_hex"));
+            if tok.decode(&want, true) != concat {
+                failures.push(format!(
+                    "{name} [{variant}] decode(render_special) != pieces_concat_hex"
+                ));
+            }
+            if !add_special && !parse_special && tok.decode(&want, false) != text.as_bytes() {
+                failures.push(format!(
+                    "{name} [{variant}] plain decode: got {}, want {:?}",
+                    show(&tok.decode(&want, false)),
+                    text
+                ));
+            }
+        }
+    }
+    assert_eq!(n_checked, 47 * 4);
+    assert!(
+        failures.is_empty(),
+        "{} of {n_checked} encodings failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    eprintln!("tokenizer_smollm2.json: {n_checked} encodings match");
+}
+
+fn generation_vectors() -> Vec<(String, Value)> {
+    let mut out = Vec::new();
+    for dir in ["", "f32_reference/"] {
+        let mut names: Vec<String> = std::fs::read_dir(vectors_dir().join(dir))
+            .expect("vectors dir")
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with("smollm2_") && n.ends_with(".json"))
+            .collect();
+        names.sort();
+        for n in names {
+            let name = format!("{dir}{n}");
+            let doc = read_json(&name);
+            out.push((name, doc));
+        }
+    }
+    assert!(
+        out.len() >= 10,
+        "expected the 5 SmolLM2 generation vectors in both folders"
+    );
+    out
+}
+
+#[test]
+fn generation_prompts() {
+    let tok = load();
+    let mut failures = Vec::new();
+    for (name, doc) in generation_vectors() {
+        let prompt = doc["prompt"].as_str().expect("prompt");
+        let pieces = doc["prompt_token_pieces"].as_array().map(Vec::as_slice);
+        for (key, add_special) in [
+            ("prompt_token_ids", true),
+            ("prompt_token_ids_without_special", false),
+        ] {
+            let want = ids_of(&doc[key]);
+            let got = tok.encode(prompt, add_special, true);
+            if got != want {
+                failures.push(format!(
+                    "{name} {key}: {}",
+                    first_diff(&tok, &got, &want, pieces)
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Generated tokens, streamed: the server's text renders pieces without specials.
+#[test]
+fn generation_outputs_stream_decode() {
+    let tok = load();
+    for (name, doc) in generation_vectors() {
+        let ids = ids_of(&doc["generated_token_ids"]);
+        let mut stream = StreamDecoder::new();
+        let mut text = String::new();
+        for &id in &ids {
+            text.push_str(stream.push(tok.token_piece(id, false)));
+        }
+        text.push_str(stream.finish());
+        assert_eq!(
+            text,
+            doc["generated_text"].as_str().expect("generated_text"),
+            "{name}"
+        );
+        assert_eq!(tok.decode(&ids, false), text.as_bytes(), "{name}");
+        for step in doc["steps"].as_array().expect("steps") {
+            if let Some(h) = step.get("bytes_hex").and_then(Value::as_str) {
+                let id = step["token_id"].as_u64().expect("token_id") as u32;
+                assert_eq!(tok.token_piece(id, false), hex(h), "{name}: piece of {id}");
+            }
+        }
+    }
+}
+
+/// Load and encode times (release build): load well under 100 ms, a 2000-token
+/// prompt well under 10 ms. The bounds here are 10x looser to stay robust on busy
+/// machines; the measured numbers are printed.
+#[test]
+fn timing() {
+    let t0 = Instant::now();
+    let g = Gguf::open(model_path()).expect("open GGUF");
+    let t1 = Instant::now();
+    let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
+    let t2 = Instant::now();
+    let doc = read_json("smollm2_long_carrow_point.json");
+    let prompt = doc["prompt"].as_str().expect("prompt");
+    let mut best = f64::INFINITY;
+    let mut n = 0;
+    for _ in 0..20 {
+        let t = Instant::now();
+        n = tok.encode(prompt, true, true).len();
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    let (open_ms, load_ms, enc_ms) = (
+        (t1 - t0).as_secs_f64() * 1e3,
+        (t2 - t1).as_secs_f64() * 1e3,
+        best * 1e3,
+    );
+    eprintln!("GGUF open {open_ms:.1} ms, Tokenizer::from_gguf {load_ms:.1} ms, encode {n} tokens {enc_ms:.2} ms");
+    if cfg!(debug_assertions) {
+        return;
+    }
+    assert!(load_ms < 1000.0, "from_gguf took {load_ms:.1} ms");
+    assert!(enc_ms < 100.0, "encoding {n} tokens took {enc_ms:.2} ms");
+}
+
+/// Plain-text encoding round-trips byte-exactly on random mixed-script strings (every
+/// byte has a token in SmolLM2's vocabulary), with and without special parsing of
+/// texts that contain no special token.
+#[test]
+fn random_text_round_trips() {
+    let tok = load();
+    const POOL: &[&str] = &[
+        "a",
+        "Z",
+        "7",
+        " ",
+        "  ",
+        "\t",
+        "\n",
+        "\r\n",
+        "'s",
+        "'",
+        "\"",
+        ".",
+        "!?",
+        "_",
+        "-",
+        "<",
+        "|",
+        ">",
+        "é",
+        "e\u{301}",
+        "ß",
+        "Ж",
+        "Ω",
+        "中",
+        "文",
+        "こ",
+        "ン",
+        "한",
+        "ع",
+        "ש",
+        "न",
+        "ि",
+        "ก",
+        "²",
+        "٣",
+        "１",
+        "🍕",
+        "👨\u{200d}👩",
+        "🇮🇹",
+        "\u{a0}",
+        "\u{200b}",
+        "\u{feff}",
+        "\u{3000}",
+        "\u{85}",
+        "\u{0}",
+        "\u{7f}",
+        "\u{ad}",
+        "\u{10ffff}",
+        "\u{e000}",
+        "∑",
+        "→",
+    ];
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for _ in 0..2000 {
+        let len = (next() % 40) as usize;
+        let text: String = (0..len)
+            .map(|_| POOL[(next() % POOL.len() as u64) as usize])
+            .collect();
+        for parse_special in [false, true] {
+            let ids = tok.encode(&text, true, parse_special);
+            assert_eq!(
+                tok.decode(&ids, false),
+                text.as_bytes(),
+                "{text:?} parse_special={parse_special}"
+            );
+            assert!(ids.iter().all(|&id| (id as usize) < tok.n_vocab()));
+        }
+    }
+}

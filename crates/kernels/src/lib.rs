@@ -1,0 +1,817 @@
+//! Quantized block formats and their scalar reference kernels.
+//!
+//! Every format lives in its own module (`q4_0`, `q4_k`, ...) holding the
+//! `#[repr(C)]` block exactly as ggml lays it out in `ggml-common.h`, its size
+//! assertion, the dequantizer, ggml's reference quantizer and the scalar dot
+//! product against the activation format ggml pairs it with. These are the
+//! spec: later SIMD kernels are tested against them (exactly for the integer
+//! parts, within a bound for float summation).
+//!
+//! This file is the type-erased front end the engine uses: [`WeightFormat`]
+//! (a ggml type id we can run), [`dequantize_row`], [`quantize_row`],
+//! [`QuantizedActivations`] and the dot products [`vec_dot`] and
+//! [`vec_dot_exact`].
+//!
+//! Conventions shared by all modules:
+//! - f16 fields are stored as little-endian `[u8; 2]` so that every weight
+//!   block has alignment 1 and can be viewed in place inside an mmap'd GGUF
+//!   file at any offset ([`f16::fp16_to_fp32`] reads them).
+//! - No FMA contraction: every `a * b + c` is a rounded multiply followed by a
+//!   rounded add, as in ggml's generic C built with `-ffp-contract=off`.
+//! - Functions taking typed slices (`&[BlockQ4_0]`, `&mut [f32]`) assert that
+//!   lengths agree: a mismatch there is a bug in the caller, not bad input.
+//!   Untrusted sizes go through the `Result`-returning front end here.
+
+pub mod bf16;
+pub mod f16;
+pub mod f32;
+pub mod matmul;
+pub mod pool;
+pub mod q4_0;
+pub mod q4_1;
+pub mod q4_k;
+pub mod q5_0;
+pub mod q6_k;
+pub mod q8_0;
+pub mod q8_k;
+
+#[cfg(test)]
+mod ggml_parity;
+#[cfg(test)]
+mod testing;
+
+use q8_0::{BlockQ8_0, QK8_0};
+use q8_k::BlockQ8_K;
+
+/// Number of weights in a K-quant super-block (ggml `QK_K`).
+pub const QK_K: usize = 256;
+
+/// Errors from the type-erased front end. Each names the format and the sizes involved.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelError {
+    /// A row length (in elements) that the format cannot hold.
+    #[error("{format}: row length {len} is not a multiple of the block size {block_size}")]
+    RowLength {
+        format: &'static str,
+        len: usize,
+        block_size: usize,
+    },
+    /// A byte buffer that is not a whole number of blocks.
+    #[error("{format}: {len} bytes is not a whole number of {block_bytes}-byte blocks")]
+    ByteLength {
+        format: &'static str,
+        len: usize,
+        block_bytes: usize,
+    },
+    /// An encoded row whose byte size does not match its element count.
+    #[error("{format}: a row of {n} elements takes {expected} bytes, got {got}")]
+    RowBytes {
+        format: &'static str,
+        n: usize,
+        expected: usize,
+        got: usize,
+    },
+    /// A flat activation buffer that is not a whole number of rows.
+    #[error("{len} activations are not a whole number of rows of {n}")]
+    RowCount { len: usize, n: usize },
+}
+
+/// A weight tensor type we can compute with, identified by its ggml type id.
+/// Variant names are ggml's (`Q4_K`, not `Q4K`).
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightFormat {
+    F32,
+    F16,
+    BF16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q8_0,
+    Q4_K,
+    Q6_K,
+}
+
+impl WeightFormat {
+    /// All supported formats, in ggml type id order.
+    pub const ALL: [WeightFormat; 9] = [
+        WeightFormat::F32,
+        WeightFormat::F16,
+        WeightFormat::Q4_0,
+        WeightFormat::Q4_1,
+        WeightFormat::Q5_0,
+        WeightFormat::Q8_0,
+        WeightFormat::Q4_K,
+        WeightFormat::Q6_K,
+        WeightFormat::BF16,
+    ];
+
+    /// The format for a ggml type id (`enum ggml_type`), or `None` if we do not support it.
+    pub fn from_ggml_type(id: u32) -> Option<Self> {
+        Some(match id {
+            0 => Self::F32,
+            1 => Self::F16,
+            2 => Self::Q4_0,
+            3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            8 => Self::Q8_0,
+            12 => Self::Q4_K,
+            14 => Self::Q6_K,
+            30 => Self::BF16,
+            _ => return None,
+        })
+    }
+
+    /// The ggml type id.
+    pub fn ggml_type(self) -> u32 {
+        match self {
+            Self::F32 => 0,
+            Self::F16 => 1,
+            Self::Q4_0 => 2,
+            Self::Q4_1 => 3,
+            Self::Q5_0 => 6,
+            Self::Q8_0 => 8,
+            Self::Q4_K => 12,
+            Self::Q6_K => 14,
+            Self::BF16 => 30,
+        }
+    }
+
+    /// ggml's type name (`ggml_type_name`): "f32", "q4_0", "q4_K", ...
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+            Self::BF16 => "bf16",
+            Self::Q4_0 => "q4_0",
+            Self::Q4_1 => "q4_1",
+            Self::Q5_0 => "q5_0",
+            Self::Q8_0 => "q8_0",
+            Self::Q4_K => "q4_K",
+            Self::Q6_K => "q6_K",
+        }
+    }
+
+    /// Elements per block (1 for the float formats).
+    pub fn block_size(self) -> usize {
+        match self {
+            Self::F32 | Self::F16 | Self::BF16 => 1,
+            Self::Q4_0 => q4_0::QK4_0,
+            Self::Q4_1 => q4_1::QK4_1,
+            Self::Q5_0 => q5_0::QK5_0,
+            Self::Q8_0 => QK8_0,
+            Self::Q4_K | Self::Q6_K => QK_K,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::BF16 => 2,
+            Self::Q4_0 => size_of::<q4_0::BlockQ4_0>(),
+            Self::Q4_1 => size_of::<q4_1::BlockQ4_1>(),
+            Self::Q5_0 => size_of::<q5_0::BlockQ5_0>(),
+            Self::Q8_0 => size_of::<BlockQ8_0>(),
+            Self::Q4_K => size_of::<q4_k::BlockQ4_K>(),
+            Self::Q6_K => size_of::<q6_k::BlockQ6_K>(),
+        }
+    }
+
+    /// Bytes taken by a row of `n` elements; `None` if `n` is not a multiple
+    /// of the block size (or the size overflows).
+    pub fn row_bytes(self, n: usize) -> Option<usize> {
+        let bs = self.block_size();
+        if n % bs != 0 {
+            return None;
+        }
+        (n / bs).checked_mul(self.block_bytes())
+    }
+
+    /// The activation format [`vec_dot`] pairs with this weight format.
+    pub fn activation_format(self) -> ActivationFormat {
+        match self {
+            Self::F32 | Self::F16 | Self::BF16 => ActivationFormat::F32,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q8_0 => ActivationFormat::Q8_0,
+            Self::Q4_K | Self::Q6_K => ActivationFormat::Q8_K,
+        }
+    }
+
+    fn check_row(self, n: usize, row_len: usize) -> Result<(), KernelError> {
+        let Some(expected) = self.row_bytes(n) else {
+            return Err(KernelError::RowLength {
+                format: self.name(),
+                len: n,
+                block_size: self.block_size(),
+            });
+        };
+        if row_len != expected {
+            return Err(KernelError::RowBytes {
+                format: self.name(),
+                n,
+                expected,
+                got: row_len,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The format activations are converted to before a dot product with weights.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ActivationFormat {
+    F32,
+    Q8_0,
+    Q8_K,
+}
+
+impl ActivationFormat {
+    /// Elements per block.
+    pub fn block_size(self) -> usize {
+        match self {
+            Self::F32 => 1,
+            Self::Q8_0 => QK8_0,
+            Self::Q8_K => QK_K,
+        }
+    }
+
+    /// ggml's type name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Q8_0 => "q8_0",
+            Self::Q8_K => "q8_K",
+        }
+    }
+}
+
+/// Decodes one encoded row of `out.len()` elements into f32, exactly as ggml's
+/// `dequantize_row_*` does. `row` may sit at any byte offset (an mmap'd file).
+pub fn dequantize_row(fmt: WeightFormat, row: &[u8], out: &mut [f32]) -> Result<(), KernelError> {
+    fmt.check_row(out.len(), row.len())?;
+    match fmt {
+        WeightFormat::F32 => f32::dequantize_row(row, out),
+        WeightFormat::F16 => f16::dequantize_row(row, out),
+        WeightFormat::BF16 => bf16::dequantize_row(row, out),
+        WeightFormat::Q4_0 => q4_0::dequantize_row(q4_0::blocks(row)?, out),
+        WeightFormat::Q4_1 => q4_1::dequantize_row(q4_1::blocks(row)?, out),
+        WeightFormat::Q5_0 => q5_0::dequantize_row(q5_0::blocks(row)?, out),
+        WeightFormat::Q8_0 => q8_0::dequantize_row(q8_0::blocks(row)?, out),
+        WeightFormat::Q4_K => q4_k::dequantize_row(q4_k::blocks(row)?, out),
+        WeightFormat::Q6_K => q6_k::dequantize_row(q6_k::blocks(row)?, out),
+    }
+    Ok(())
+}
+
+/// Encodes one row `x` into `out` with ggml's reference quantizer
+/// (`quantize_row_*_ref`); for the float formats this is a plain conversion.
+/// Used to build test weights and model files.
+pub fn quantize_row(fmt: WeightFormat, x: &[f32], out: &mut [u8]) -> Result<(), KernelError> {
+    fmt.check_row(x.len(), out.len())?;
+    match fmt {
+        WeightFormat::F32 => f32::quantize_row_ref(x, out),
+        WeightFormat::F16 => f16::quantize_row_ref(x, out),
+        WeightFormat::BF16 => bf16::quantize_row_ref(x, out),
+        WeightFormat::Q4_0 => q4_0::quantize_row_ref(x, cast_blocks_mut(out)),
+        WeightFormat::Q4_1 => q4_1::quantize_row_ref(x, cast_blocks_mut(out)),
+        WeightFormat::Q5_0 => q5_0::quantize_row_ref(x, cast_blocks_mut(out)),
+        WeightFormat::Q8_0 => q8_0::quantize_row_ref(x, cast_blocks_mut(out)),
+        WeightFormat::Q4_K => q4_k::quantize_row_ref(x, cast_blocks_mut(out)),
+        WeightFormat::Q6_K => q6_k::quantize_row_ref(x, cast_blocks_mut(out)),
+    }
+    Ok(())
+}
+
+/// Views `bytes` as weight blocks. Only for alignment-1 blocks, so the one
+/// possible failure is a length that is not a whole number of blocks.
+fn cast_blocks<'a, T: bytemuck::Pod>(
+    format: &'static str,
+    bytes: &'a [u8],
+) -> Result<&'a [T], KernelError> {
+    const { assert!(align_of::<T>() == 1) };
+    bytemuck::try_cast_slice(bytes).map_err(|_| KernelError::ByteLength {
+        format,
+        len: bytes.len(),
+        block_bytes: size_of::<T>(),
+    })
+}
+
+/// Mutable [`cast_blocks`] for a buffer whose length the caller has checked.
+fn cast_blocks_mut<T: bytemuck::Pod>(bytes: &mut [u8]) -> &mut [T] {
+    const { assert!(align_of::<T>() == 1) };
+    bytemuck::cast_slice_mut(bytes)
+}
+
+/// ggml's `nearest_int`: round to nearest, ties to even, via the 1.5·2^23
+/// trick. Valid for |x| <= 4194303 (ggml asserts this in debug builds); the
+/// result for larger inputs is garbage in both implementations, never UB here.
+#[inline]
+pub(crate) fn nearest_int(fval: f32) -> i32 {
+    let val = fval + 12_582_912.0;
+    let i = val.to_bits() as i32;
+    (i & 0x007f_ffff) - 0x0040_0000
+}
+
+/// Activations for one or more rows of length `n`, converted to the format a
+/// weight format's dot product consumes.
+///
+/// Allocate once (e.g. with [`QuantizedActivations::new`] sized for the
+/// largest batch), then call [`requantize`](Self::requantize) each step:
+/// it reuses the buffer and does not allocate while capacity suffices.
+#[derive(Clone, Debug)]
+pub struct QuantizedActivations {
+    n: usize,
+    rows: usize,
+    data: ActivationData,
+}
+
+#[allow(non_camel_case_types)]
+#[derive(Clone, Debug)]
+enum ActivationData {
+    F32(Vec<f32>),
+    Q8_0(Vec<BlockQ8_0>),
+    Q8_K(Vec<BlockQ8_K>),
+}
+
+/// One row of [`QuantizedActivations`], as [`vec_dot`] takes it.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug)]
+pub enum ActivationRow<'a> {
+    F32(&'a [f32]),
+    Q8_0(&'a [BlockQ8_0]),
+    Q8_K(&'a [BlockQ8_K]),
+}
+
+impl ActivationRow<'_> {
+    /// The format of this row.
+    pub fn format(&self) -> ActivationFormat {
+        match self {
+            Self::F32(_) => ActivationFormat::F32,
+            Self::Q8_0(_) => ActivationFormat::Q8_0,
+            Self::Q8_K(_) => ActivationFormat::Q8_K,
+        }
+    }
+
+    /// Number of elements in the row.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(x) => x.len(),
+            Self::Q8_0(b) => b.len() * QK8_0,
+            Self::Q8_K(b) => b.len() * QK_K,
+        }
+    }
+
+    /// Whether the row has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl QuantizedActivations {
+    /// An empty buffer of `format` with room for `max_elements` activations
+    /// (rows × row length) before [`requantize`](Self::requantize) allocates.
+    pub fn new(format: ActivationFormat, max_elements: usize) -> Self {
+        let blocks = max_elements.div_ceil(format.block_size());
+        let data = match format {
+            ActivationFormat::F32 => ActivationData::F32(Vec::with_capacity(max_elements)),
+            ActivationFormat::Q8_0 => ActivationData::Q8_0(Vec::with_capacity(blocks)),
+            ActivationFormat::Q8_K => ActivationData::Q8_K(Vec::with_capacity(blocks)),
+        };
+        Self {
+            n: 0,
+            rows: 0,
+            data,
+        }
+    }
+
+    /// Converts `x`, holding `x.len() / n` consecutive rows of length `n`.
+    pub fn quantize(format: ActivationFormat, x: &[f32], n: usize) -> Result<Self, KernelError> {
+        let mut a = Self::new(format, x.len());
+        a.requantize(x, n)?;
+        Ok(a)
+    }
+
+    /// Refills with new activations (same format), reusing the buffer.
+    /// On error the previous contents are kept.
+    pub fn requantize(&mut self, x: &[f32], n: usize) -> Result<(), KernelError> {
+        let format = self.format();
+        let block_size = format.block_size();
+        if n == 0 || n % block_size != 0 {
+            return Err(KernelError::RowLength {
+                format: format.name(),
+                len: n,
+                block_size,
+            });
+        }
+        if x.len() % n != 0 {
+            return Err(KernelError::RowCount { len: x.len(), n });
+        }
+        match &mut self.data {
+            ActivationData::F32(v) => {
+                v.clear();
+                v.extend_from_slice(x);
+            }
+            ActivationData::Q8_0(v) => {
+                v.clear();
+                v.resize(x.len() / QK8_0, BlockQ8_0::ZERO);
+                q8_0::quantize_row_ref(x, v);
+            }
+            ActivationData::Q8_K(v) => {
+                v.clear();
+                v.resize(x.len() / QK_K, BlockQ8_K::ZERO);
+                q8_k::quantize_row_ref(x, v);
+            }
+        }
+        self.n = n;
+        self.rows = x.len() / n;
+        Ok(())
+    }
+
+    /// The activation format.
+    pub fn format(&self) -> ActivationFormat {
+        match self.data {
+            ActivationData::F32(_) => ActivationFormat::F32,
+            ActivationData::Q8_0(_) => ActivationFormat::Q8_0,
+            ActivationData::Q8_K(_) => ActivationFormat::Q8_K,
+        }
+    }
+
+    /// Row length in elements (0 before the first fill).
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Number of rows held.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Row `i`.
+    ///
+    /// # Panics
+    /// If `i >= self.rows()`, like slice indexing.
+    pub fn row(&self, i: usize) -> ActivationRow<'_> {
+        assert!(
+            i < self.rows,
+            "activation row {i} out of range ({} rows)",
+            self.rows
+        );
+        match &self.data {
+            ActivationData::F32(v) => ActivationRow::F32(&v[i * self.n..(i + 1) * self.n]),
+            ActivationData::Q8_0(v) => {
+                let nb = self.n / QK8_0;
+                ActivationRow::Q8_0(&v[i * nb..(i + 1) * nb])
+            }
+            ActivationData::Q8_K(v) => {
+                let nb = self.n / QK_K;
+                ActivationRow::Q8_K(&v[i * nb..(i + 1) * nb])
+            }
+        }
+    }
+
+    #[cfg(test)]
+    fn buffer_ptr(&self) -> *const u8 {
+        match &self.data {
+            ActivationData::F32(v) => v.as_ptr().cast(),
+            ActivationData::Q8_0(v) => v.as_ptr().cast(),
+            ActivationData::Q8_K(v) => v.as_ptr().cast(),
+        }
+    }
+}
+
+/// Scalar dot product of one encoded weight row of `n` elements with one
+/// activation row in `fmt.activation_format()`. Dispatches to the per-format
+/// reference kernels (`q4_0::vec_dot_q4_0_q8_0`, ...).
+///
+/// # Panics
+/// If the activation format is not `fmt.activation_format()`, or `w_row` /
+/// `act` do not hold exactly `n` elements. Shapes are validated when a model
+/// is loaded; a mismatch here is a bug.
+pub fn vec_dot(fmt: WeightFormat, n: usize, w_row: &[u8], act: ActivationRow<'_>) -> f32 {
+    assert_eq!(
+        fmt.row_bytes(n),
+        Some(w_row.len()),
+        "{}: weight row of {} bytes does not hold {n} elements",
+        fmt.name(),
+        w_row.len()
+    );
+    assert_eq!(act.len(), n, "{}: activation row length", fmt.name());
+    match (fmt, act) {
+        (WeightFormat::F32, ActivationRow::F32(y)) => f32::vec_dot_f32_le(w_row, y),
+        (WeightFormat::F16, ActivationRow::F32(y)) => f16::vec_dot_f16_f32(w_row, y),
+        (WeightFormat::BF16, ActivationRow::F32(y)) => bf16::vec_dot_bf16_f32(w_row, y),
+        (WeightFormat::Q4_0, ActivationRow::Q8_0(y)) => {
+            q4_0::vec_dot_q4_0_q8_0(cast_checked(w_row), y)
+        }
+        (WeightFormat::Q4_1, ActivationRow::Q8_0(y)) => {
+            q4_1::vec_dot_q4_1_q8_0(cast_checked(w_row), y)
+        }
+        (WeightFormat::Q5_0, ActivationRow::Q8_0(y)) => {
+            q5_0::vec_dot_q5_0_q8_0(cast_checked(w_row), y)
+        }
+        (WeightFormat::Q8_0, ActivationRow::Q8_0(y)) => {
+            q8_0::vec_dot_q8_0_q8_0(cast_checked(w_row), y)
+        }
+        (WeightFormat::Q4_K, ActivationRow::Q8_K(y)) => {
+            q4_k::vec_dot_q4_K_q8_K(cast_checked(w_row), y)
+        }
+        (WeightFormat::Q6_K, ActivationRow::Q8_K(y)) => {
+            q6_k::vec_dot_q6_K_q8_K(cast_checked(w_row), y)
+        }
+        (fmt, act) => panic!(
+            "{} weights take {} activations, got {}",
+            fmt.name(),
+            fmt.activation_format().name(),
+            act.format().name()
+        ),
+    }
+}
+
+/// [`cast_blocks`] for a row whose length the caller has already asserted.
+fn cast_checked<T: bytemuck::Pod>(bytes: &[u8]) -> &[T] {
+    const { assert!(align_of::<T>() == 1) };
+    bytemuck::cast_slice(bytes)
+}
+
+/// The exact path: dequantizes the weight row into `scratch[..x.len()]` and
+/// dots it with unquantized activations `x` using [`f32::vec_dot_f32`]
+/// (8 lanes, fixed summation order). No activation rounding at all; slower
+/// than [`vec_dot`], used where accuracy matters more than speed.
+///
+/// # Panics
+/// If `w_row` does not hold `x.len()` elements of `fmt`, or `scratch` is
+/// shorter than `x`.
+pub fn vec_dot_exact(fmt: WeightFormat, w_row: &[u8], x: &[f32], scratch: &mut [f32]) -> f32 {
+    let n = x.len();
+    assert!(
+        scratch.len() >= n,
+        "scratch holds {} floats, need {n}",
+        scratch.len()
+    );
+    let w = &mut scratch[..n];
+    if let Err(e) = dequantize_row(fmt, w_row, w) {
+        panic!("vec_dot_exact: {e}");
+    }
+    f32::vec_dot_f32(w, x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{dot_f64, XorShift};
+
+    #[test]
+    fn ggml_type_ids_round_trip_and_unknown_ids_are_rejected() {
+        for fmt in WeightFormat::ALL {
+            assert_eq!(WeightFormat::from_ggml_type(fmt.ggml_type()), Some(fmt));
+        }
+        // Q5_1, Q8_1, Q2_K, Q3_K, Q5_K, Q8_K, IQ types, out of range.
+        for id in [7, 9, 10, 11, 13, 15, 16, 29, 31, 1000] {
+            assert_eq!(WeightFormat::from_ggml_type(id), None, "id {id}");
+        }
+        let names: Vec<_> = WeightFormat::ALL.iter().map(|f| f.name()).collect();
+        assert_eq!(
+            names,
+            ["f32", "f16", "q4_0", "q4_1", "q5_0", "q8_0", "q4_K", "q6_K", "bf16"]
+        );
+    }
+
+    #[test]
+    fn block_sizes_and_row_bytes_match_ggml() {
+        // (format, block size, block bytes) from ggml's type_traits.
+        let table = [
+            (WeightFormat::F32, 1, 4),
+            (WeightFormat::F16, 1, 2),
+            (WeightFormat::BF16, 1, 2),
+            (WeightFormat::Q4_0, 32, 18),
+            (WeightFormat::Q4_1, 32, 20),
+            (WeightFormat::Q5_0, 32, 22),
+            (WeightFormat::Q8_0, 32, 34),
+            (WeightFormat::Q4_K, 256, 144),
+            (WeightFormat::Q6_K, 256, 210),
+        ];
+        for (fmt, bs, bb) in table {
+            assert_eq!(fmt.block_size(), bs, "{}", fmt.name());
+            assert_eq!(fmt.block_bytes(), bb, "{}", fmt.name());
+            assert_eq!(fmt.row_bytes(4096), Some(4096 / bs * bb), "{}", fmt.name());
+            assert_eq!(fmt.row_bytes(0), Some(0));
+            if bs > 1 {
+                assert_eq!(fmt.row_bytes(bs + 1), None, "{}", fmt.name());
+            }
+        }
+        assert_eq!(WeightFormat::F32.row_bytes(usize::MAX), None);
+    }
+
+    #[test]
+    fn dequantize_row_reports_bad_lengths() {
+        let mut out = vec![0.0; 33];
+        assert_eq!(
+            dequantize_row(WeightFormat::Q4_0, &[0; 18], &mut out),
+            Err(KernelError::RowLength {
+                format: "q4_0",
+                len: 33,
+                block_size: 32
+            })
+        );
+        let mut out = vec![0.0; 64];
+        let err = dequantize_row(WeightFormat::Q4_0, &[0; 35], &mut out).unwrap_err();
+        assert_eq!(
+            err,
+            KernelError::RowBytes {
+                format: "q4_0",
+                n: 64,
+                expected: 36,
+                got: 35
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            "q4_0: a row of 64 elements takes 36 bytes, got 35"
+        );
+        let mut out = vec![0.0; 3];
+        assert!(dequantize_row(WeightFormat::F16, &[0; 7], &mut out).is_err());
+        assert!(quantize_row(WeightFormat::Q6_K, &[0.0; 256], &mut [0; 209]).is_err());
+    }
+
+    /// Weights at an odd offset in a larger buffer (as in an mmap'd file) decode
+    /// exactly like the same bytes at offset 0.
+    #[test]
+    fn unaligned_rows_decode_like_aligned_ones() {
+        let mut rng = XorShift::new(7);
+        let n = 512;
+        let x = rng.vec_uniform(n, -1.0, 1.0);
+        for fmt in WeightFormat::ALL {
+            let bytes = fmt.row_bytes(n).unwrap();
+            let mut buf = vec![0u8; bytes + 3];
+            quantize_row(fmt, &x, &mut buf[..bytes]).unwrap();
+            let mut want = vec![0.0; n];
+            dequantize_row(fmt, &buf[..bytes], &mut want).unwrap();
+            buf.copy_within(0..bytes, 1);
+            let mut got = vec![0.0; n];
+            dequantize_row(fmt, &buf[1..1 + bytes], &mut got).unwrap();
+            assert_eq!(got, want, "{}", fmt.name());
+        }
+    }
+
+    #[test]
+    fn nearest_int_rounds_half_to_even_like_ggml() {
+        let cases = [
+            (0.0, 0),
+            (0.4999, 0),
+            (0.5, 0),
+            (1.5, 2),
+            (2.5, 2),
+            (-0.5, 0),
+            (-1.5, -2),
+            (-2.5, -2),
+            (7.49, 7),
+            (-7.51, -8),
+            (4_194_303.0, 4_194_303),
+            (-4_194_303.0, -4_194_303),
+        ];
+        for (x, want) in cases {
+            assert_eq!(nearest_int(x), want, "nearest_int({x})");
+        }
+    }
+
+    #[test]
+    fn activations_hold_rows_that_match_single_row_quantization() {
+        let mut rng = XorShift::new(11);
+        let n = 512;
+        let x = rng.vec_uniform(3 * n, -2.0, 2.0);
+        for format in [
+            ActivationFormat::F32,
+            ActivationFormat::Q8_0,
+            ActivationFormat::Q8_K,
+        ] {
+            let all = QuantizedActivations::quantize(format, &x, n).unwrap();
+            assert_eq!((all.rows(), all.n(), all.format()), (3, n, format));
+            for i in 0..3 {
+                let one =
+                    QuantizedActivations::quantize(format, &x[i * n..(i + 1) * n], n).unwrap();
+                match (all.row(i), one.row(0)) {
+                    (ActivationRow::F32(a), ActivationRow::F32(b)) => assert_eq!(a, b),
+                    (ActivationRow::Q8_0(a), ActivationRow::Q8_0(b)) => assert_eq!(a, b),
+                    (ActivationRow::Q8_K(a), ActivationRow::Q8_K(b)) => assert_eq!(a, b),
+                    _ => panic!("row format changed"),
+                }
+                assert_eq!(all.row(i).len(), n);
+            }
+        }
+    }
+
+    #[test]
+    fn requantize_reuses_the_buffer_and_rejects_bad_shapes() {
+        let mut rng = XorShift::new(12);
+        let x = rng.vec_uniform(4 * 256, -1.0, 1.0);
+        for format in [
+            ActivationFormat::F32,
+            ActivationFormat::Q8_0,
+            ActivationFormat::Q8_K,
+        ] {
+            let mut a = QuantizedActivations::new(format, 4 * 256);
+            a.requantize(&x, 256).unwrap();
+            let ptr = a.buffer_ptr();
+            a.requantize(&x[..512], 256).unwrap();
+            assert_eq!(a.rows(), 2);
+            a.requantize(&x, 512).unwrap();
+            assert_eq!((a.rows(), a.n()), (2, 512));
+            assert_eq!(a.buffer_ptr(), ptr, "{format:?} reallocated");
+            // Errors leave the previous contents in place.
+            assert_eq!(
+                a.requantize(&x[..300], 256),
+                Err(KernelError::RowCount { len: 300, n: 256 })
+            );
+            assert!(a.requantize(&x, 0).is_err());
+            assert_eq!((a.rows(), a.n()), (2, 512));
+        }
+        let mut a = QuantizedActivations::new(ActivationFormat::Q8_K, 0);
+        assert_eq!(
+            a.requantize(&x[..96], 96),
+            Err(KernelError::RowLength {
+                format: "q8_K",
+                len: 96,
+                block_size: 256
+            })
+        );
+    }
+
+    /// vec_dot for every format agrees with an f64 dot of what the kernel
+    /// actually sees (dequantized weights × dequantized activations).
+    #[test]
+    fn vec_dot_matches_f64_dot_of_dequantized_operands() {
+        let mut rng = XorShift::new(13);
+        let n = 1024;
+        for fmt in WeightFormat::ALL {
+            let w = rng.vec_uniform(n, -1.0, 1.0);
+            let x = rng.vec_uniform(n, -3.0, 3.0);
+            let mut row = vec![0u8; fmt.row_bytes(n).unwrap()];
+            quantize_row(fmt, &w, &mut row).unwrap();
+            let mut wd = vec![0.0; n];
+            dequantize_row(fmt, &row, &mut wd).unwrap();
+            let act = QuantizedActivations::quantize(fmt.activation_format(), &x, n).unwrap();
+            let xd: Vec<f32> = match act.row(0) {
+                ActivationRow::F32(v) => v.to_vec(),
+                ActivationRow::Q8_0(b) => {
+                    let mut v = vec![0.0; n];
+                    q8_0::dequantize_row(b, &mut v);
+                    v
+                }
+                ActivationRow::Q8_K(b) => {
+                    let mut v = vec![0.0; n];
+                    q8_k::dequantize_row(b, &mut v);
+                    v
+                }
+            };
+            let got = vec_dot(fmt, n, &row, act.row(0)) as f64;
+            let want = dot_f64(&wd, &xd);
+            let scale: f64 = wd.iter().zip(&xd).map(|(a, b)| (a * b).abs() as f64).sum();
+            assert!(
+                (got - want).abs() <= 1e-6 * scale,
+                "{}: got {got}, want {want} (scale {scale})",
+                fmt.name()
+            );
+        }
+    }
+
+    #[test]
+    fn vec_dot_exact_matches_f64_dot_with_unquantized_activations() {
+        let mut rng = XorShift::new(14);
+        let n = 768;
+        let mut scratch = vec![0.0; 1024];
+        for fmt in WeightFormat::ALL {
+            let w = rng.vec_uniform(n, -1.0, 1.0);
+            let x = rng.vec_uniform(n, -3.0, 3.0);
+            let mut row = vec![0u8; fmt.row_bytes(n).unwrap()];
+            quantize_row(fmt, &w, &mut row).unwrap();
+            let mut wd = vec![0.0; n];
+            dequantize_row(fmt, &row, &mut wd).unwrap();
+            let got = vec_dot_exact(fmt, &row, &x, &mut scratch) as f64;
+            let want = dot_f64(&wd, &x);
+            let scale: f64 = wd.iter().zip(&x).map(|(a, b)| (a * b).abs() as f64).sum();
+            assert!(
+                (got - want).abs() <= 1e-6 * scale,
+                "{}: got {got}, want {want}",
+                fmt.name()
+            );
+            // And it is the documented composition, bit for bit.
+            assert_eq!(got as f32, f32::vec_dot_f32(&wd, &x), "{}", fmt.name());
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "q4_K weights take q8_K activations, got q8_0")]
+    fn vec_dot_rejects_the_wrong_activation_format() {
+        let row = vec![0u8; 144];
+        let act = QuantizedActivations::quantize(ActivationFormat::Q8_0, &[0.0; 256], 256).unwrap();
+        vec_dot(WeightFormat::Q4_K, 256, &row, act.row(0));
+    }
+
+    #[test]
+    #[should_panic(expected = "does not hold 64 elements")]
+    fn vec_dot_rejects_a_short_weight_row() {
+        let act = QuantizedActivations::quantize(ActivationFormat::Q8_0, &[0.0; 64], 64).unwrap();
+        vec_dot(WeightFormat::Q8_0, 64, &[0u8; 34], act.row(0));
+    }
+}

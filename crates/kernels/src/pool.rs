@@ -1,0 +1,291 @@
+//! A persistent thread pool for the forward pass. Each `run` hands the same closure
+//! to every thread with its index; the caller partitions the work by that index.
+//!
+//! Tuned for decode, where one token issues hundreds of short matvecs: workers spin
+//! briefly on an epoch counter before parking on a condvar, and dispatch takes no lock
+//! unless a worker is parked. `run` allocates nothing.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+/// Spin iterations before a worker parks; ~tens of microseconds, longer than the
+/// gap between two matmuls of one decode step.
+const SPIN_ITERS: u32 = 20_000;
+
+type Job = dyn Fn(usize) + Sync;
+
+struct Shared {
+    epoch: AtomicU64,
+    /// The job of the current epoch. Written only by `run` while no worker reads it.
+    job: UnsafeCell<Option<*const Job>>,
+    pending: AtomicUsize,
+    sleepers: AtomicUsize,
+    shutdown: AtomicBool,
+    panicked: AtomicBool,
+    lock: Mutex<()>,
+    wake: Condvar,
+}
+
+// SAFETY: `job` is written by `run` only before the epoch is published (Release) and
+// after every worker has finished the previous epoch (`pending` reached 0, Acquire);
+// workers read it only after observing the new epoch (Acquire). The pointee is `Sync`.
+unsafe impl Sync for Shared {}
+// SAFETY: as above; the raw pointer is only dereferenced under that protocol.
+unsafe impl Send for Shared {}
+
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    /// Serializes concurrent `run` calls from different threads.
+    run_lock: Mutex<()>,
+}
+
+impl ThreadPool {
+    /// A pool of `n_threads` threads in total: the caller of `run` is thread 0.
+    pub fn new(n_threads: usize) -> Self {
+        let n_threads = n_threads.max(1);
+        let shared = Arc::new(Shared {
+            epoch: AtomicU64::new(0),
+            job: UnsafeCell::new(None),
+            pending: AtomicUsize::new(0),
+            sleepers: AtomicUsize::new(0),
+            shutdown: AtomicBool::new(false),
+            panicked: AtomicBool::new(false),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        let workers = (1..n_threads)
+            .map(|idx| {
+                let shared = Arc::clone(&shared);
+                std::thread::Builder::new()
+                    .name(format!("ds4-worker-{idx}"))
+                    .spawn(move || worker(&shared, idx))
+                    .expect("spawning a pool thread")
+            })
+            .collect();
+        ThreadPool {
+            shared,
+            workers,
+            run_lock: Mutex::new(()),
+        }
+    }
+
+    pub fn n_threads(&self) -> usize {
+        self.workers.len() + 1
+    }
+
+    /// Calls `f(i)` once on each thread `i` in `0..n_threads()` and returns when all
+    /// calls have returned. Panics if any call panicked.
+    pub fn run(&self, f: &(dyn Fn(usize) + Sync)) {
+        if self.workers.is_empty() {
+            f(0);
+            return;
+        }
+        let _guard = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let s = &*self.shared;
+        // SAFETY: erase the lifetime of `f`; we do not return before every worker has
+        // finished with it (`pending` reaches 0 below), so it outlives all uses.
+        let job: *const Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), &Job>(f) };
+        // SAFETY: no worker reads `job` now: the previous epoch completed.
+        unsafe { *s.job.get() = Some(job) };
+        s.pending.store(self.workers.len(), Ordering::Relaxed);
+        s.epoch.fetch_add(1, Ordering::SeqCst);
+        if s.sleepers.load(Ordering::SeqCst) > 0 {
+            let _l = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.wake.notify_all();
+        }
+        let main_result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(0)));
+        while s.pending.load(Ordering::Acquire) != 0 {
+            std::hint::spin_loop();
+        }
+        if let Err(p) = main_result {
+            std::panic::resume_unwind(p);
+        }
+        if s.panicked.swap(false, Ordering::Relaxed) {
+            panic!("a thread-pool worker panicked");
+        }
+    }
+}
+
+impl ThreadPool {
+    /// Splits `data` into chunks of `chunk_len` and calls `f(chunk_index, chunk)` for
+    /// each, the chunks shared out to the threads in contiguous runs.
+    pub fn for_each_chunk_mut<T: Send>(
+        &self,
+        data: &mut [T],
+        chunk_len: usize,
+        f: &(dyn Fn(usize, &mut [T]) + Sync),
+    ) {
+        assert!(chunk_len > 0 && data.len() % chunk_len == 0, "chunking");
+        let n_chunks = data.len() / chunk_len;
+        let base = SendPtr(data.as_mut_ptr());
+        let n_threads = self.n_threads();
+        self.run(&|ith| {
+            for c in split_range(n_chunks, ith, n_threads) {
+                // SAFETY: chunk c lies inside `data` (c < n_chunks) and `split_range`
+                // gives each chunk to exactly one thread, so the slices are disjoint;
+                // `run` returns only after every thread is done with them.
+                let chunk = unsafe {
+                    std::slice::from_raw_parts_mut(base.get().add(c * chunk_len), chunk_len)
+                };
+                f(c, chunk);
+            }
+        });
+    }
+}
+
+struct SendPtr<T>(*mut T);
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
+impl<T> SendPtr<T> {
+    /// A method, not a field access, so closures capture the whole `Sync` wrapper.
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+// SAFETY: used only to hand disjoint sub-slices of one `&mut [T]` to pool threads.
+unsafe impl<T: Send> Sync for SendPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Send for SendPtr<T> {}
+
+fn worker(s: &Shared, idx: usize) {
+    let mut seen = 0u64;
+    loop {
+        let mut spins = 0u32;
+        loop {
+            let e = s.epoch.load(Ordering::Acquire);
+            if e != seen {
+                seen = e;
+                break;
+            }
+            if s.shutdown.load(Ordering::Acquire) {
+                return;
+            }
+            if spins < SPIN_ITERS {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            let mut l = s.lock.lock().unwrap_or_else(|e| e.into_inner());
+            s.sleepers.fetch_add(1, Ordering::SeqCst);
+            while s.epoch.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::SeqCst) {
+                l = s.wake.wait(l).unwrap_or_else(|e| e.into_inner());
+            }
+            s.sleepers.fetch_sub(1, Ordering::SeqCst);
+            spins = 0;
+        }
+        if s.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        // SAFETY: the epoch was published after `job` was set, and `run` keeps the
+        // closure alive until `pending` reaches zero.
+        let job = unsafe { (*s.job.get()).map(|j| &*j) };
+        if let Some(job) = job {
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(idx))).is_err() {
+                s.panicked.store(true, Ordering::Relaxed);
+            }
+        }
+        s.pending.fetch_sub(1, Ordering::Release);
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        {
+            let _l = self.shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.shared.wake.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+/// The `[start, end)` share of `n` items for thread `idx` of `n_threads`, in
+/// contiguous, nearly equal chunks.
+pub fn split_range(n: usize, idx: usize, n_threads: usize) -> std::ops::Range<usize> {
+    let per = n / n_threads;
+    let extra = n % n_threads;
+    let start = idx * per + idx.min(extra);
+    let len = per + usize::from(idx < extra);
+    start..start + len
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_thread_runs_once_per_call() {
+        for n in [1, 2, 3, 5] {
+            let pool = ThreadPool::new(n);
+            for _ in 0..200 {
+                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                pool.run(&|i| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+            }
+        }
+    }
+
+    #[test]
+    fn parked_workers_wake_up() {
+        let pool = ThreadPool::new(3);
+        let sum = AtomicUsize::new(0);
+        for _ in 0..3 {
+            std::thread::sleep(std::time::Duration::from_millis(30));
+            pool.run(&|i| {
+                sum.fetch_add(i + 1, Ordering::Relaxed);
+            });
+        }
+        assert_eq!(sum.load(Ordering::Relaxed), 3 * 6);
+    }
+
+    #[test]
+    fn worker_panic_is_reported_and_pool_survives() {
+        let pool = ThreadPool::new(2);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(&|i| assert_ne!(i, 1, "boom"));
+        }));
+        assert!(r.is_err());
+        let n = AtomicUsize::new(0);
+        pool.run(&|_| {
+            n.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(n.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn chunks_are_each_visited_once() {
+        let pool = ThreadPool::new(3);
+        let mut v = vec![0usize; 7 * 4];
+        pool.for_each_chunk_mut(&mut v, 4, &|c, chunk| {
+            chunk.iter_mut().for_each(|x| *x += c + 1)
+        });
+        let want: Vec<usize> = (0..7).flat_map(|c| [c + 1; 4]).collect();
+        assert_eq!(v, want);
+    }
+
+    #[test]
+    fn split_covers_everything_once() {
+        for n in 0..50 {
+            for t in 1..7 {
+                let mut next = 0;
+                for i in 0..t {
+                    let r = split_range(n, i, t);
+                    assert_eq!(r.start, next);
+                    next = r.end;
+                }
+                assert_eq!(next, n);
+            }
+        }
+    }
+}
