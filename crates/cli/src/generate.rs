@@ -17,11 +17,12 @@ use crate::{models, ModelArgs};
 
 #[derive(Args, Clone, Debug)]
 pub struct SamplingArgs {
-    /// Temperature; 0 = greedy.
-    #[arg(long = "temp", default_value_t = 0.8)]
+    /// Temperature; 0 = greedy. The default (and --top-p's) follows the SmolLM2
+    /// model card: small models ramble at llama.cpp's usual 0.8.
+    #[arg(long = "temp", default_value_t = 0.2)]
     pub temperature: f32,
     /// Nucleus sampling threshold (1 disables).
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.9)]
     pub top_p: f32,
     /// Keep only the K most likely tokens (0 disables).
     #[arg(long, default_value_t = 40)]
@@ -112,11 +113,7 @@ fn load(a: &ModelArgs) -> Result<Loaded> {
     let opts = SessionOptions {
         n_ctx: a.ctx,
         prefill_chunk: a.prefill_chunk,
-        precision: if a.exact {
-            Precision::Exact
-        } else {
-            Precision::Fast
-        },
+        precision: a.precision(),
     };
     let session = Session::new(
         Arc::clone(&model),
@@ -125,7 +122,7 @@ fn load(a: &ModelArgs) -> Result<Loaded> {
     );
     let hp = &model.hparams;
     eprintln!(
-        "loaded {} ({}, {} layers, {} embd, {} vocab) in {:.2} s; ctx {}, {} threads, {} path",
+        "loaded {} ({}, {} layers, {} embd, {} vocab) in {:.2} s; ctx {}, {} threads, {} path, {} kernels",
         path.file_name().map_or_else(
             || path.display().to_string(),
             |f| f.to_string_lossy().into_owned()
@@ -137,13 +134,48 @@ fn load(a: &ModelArgs) -> Result<Loaded> {
         t.elapsed().as_secs_f64(),
         a.ctx,
         threads,
-        if a.exact { "exact" } else { "fast" },
+        precision_name(a.precision()),
+        ds4_engine::kernel_tier(),
     );
     Ok(Loaded {
         model,
         session,
         path,
     })
+}
+
+impl ModelArgs {
+    fn precision(&self) -> Precision {
+        match (self.exact, self.q8_activations) {
+            (true, _) => Precision::Exact,
+            (false, true) => Precision::Q8,
+            (false, false) => Precision::Fast,
+        }
+    }
+}
+
+fn precision_name(p: Precision) -> &'static str {
+    match p {
+        Precision::Fast => "fast",
+        Precision::Exact => "exact",
+        Precision::Q8 => "q8",
+    }
+}
+
+/// Prefills, drawing a progress bar on a terminal for prompts long enough to wait on.
+fn prefill_with_bar(session: &mut Session, ids: &[u32]) -> Result<(), ds4_engine::EngineError> {
+    if ids.len() < 1024 {
+        return session.prefill(ids);
+    }
+    let bar = indicatif::ProgressBar::new(ids.len() as u64).with_style(
+        indicatif::ProgressStyle::with_template(
+            "prefill {bar:40} {pos}/{len} tokens, {per_sec}, eta {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let r = session.prefill_with_progress(ids, |done, _| bar.set_position(done as u64));
+    bar.finish_and_clear();
+    r
 }
 
 fn read_ids(path: &Path) -> Result<Vec<u32>> {
@@ -212,7 +244,7 @@ pub fn run(a: &RunArgs) -> Result<()> {
     let forced = a.teacher_force.as_deref().map(read_ids).transpose()?;
 
     let t0 = Instant::now();
-    session.prefill(&prompt_ids)?;
+    prefill_with_bar(&mut session, &prompt_ids)?;
     let prefill_s = t0.elapsed().as_secs_f64();
 
     let mut sampler = Sampler::new(if a.dump_logprobs.is_some() {
@@ -282,7 +314,7 @@ pub fn run(a: &RunArgs) -> Result<()> {
                 .file_name()
                 .map(|f| f.to_string_lossy().into_owned())
                 .unwrap_or_default(),
-            precision: if a.model.exact { "exact" } else { "fast" },
+            precision: precision_name(a.model.precision()),
             mode: if forced.is_some() {
                 "teacher-forced"
             } else {
@@ -348,7 +380,7 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
         };
         let ids = tok.encode(&suffix, false, true);
         let t0 = Instant::now();
-        if let Err(e) = session.prefill(&ids) {
+        if let Err(e) = prefill_with_bar(&mut session, &ids) {
             history.pop();
             eprintln!("error: {e}; /reset starts a new conversation");
             continue;

@@ -57,10 +57,14 @@ pub struct ModelArgs {
     /// Worker threads (default: all available cores).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// Exact path: weights dequantized exactly, f32 activations (slower; the
-    /// reference for accuracy checks).
-    #[arg(long)]
+    /// Exact path: f32 activations summed in the scalar reference order (slower;
+    /// the reference for accuracy checks).
+    #[arg(long, conflicts_with = "q8_activations")]
     pub exact: bool,
+    /// Round activations to 8-bit blocks and use integer dot products, as
+    /// llama.cpp's CPU path does (its numerics; less accurate than the default).
+    #[arg(long)]
+    pub q8_activations: bool,
     /// Tokens per prefill chunk.
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,

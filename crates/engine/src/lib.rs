@@ -10,6 +10,7 @@ pub mod sampler;
 mod session;
 pub mod tokenizer;
 
+pub use ds4_kernels::kernel_tier;
 pub use ds4_kernels::pool::ThreadPool;
 pub use error::{EngineError, Result};
 pub use model::{HParams, Model};

@@ -80,13 +80,13 @@ impl HParams {
             n_rot,
             arch,
         };
-        if hp.n_head % hp.n_head_kv != 0 {
+        if !hp.n_head.is_multiple_of(hp.n_head_kv) {
             return Err(bad(
                 "attention.head_count_kv",
                 format!("{} does not divide head_count {}", hp.n_head_kv, hp.n_head),
             ));
         }
-        if hp.n_rot > hp.head_dim || hp.n_rot % 2 != 0 {
+        if hp.n_rot > hp.head_dim || !hp.n_rot.is_multiple_of(2) {
             return Err(bad(
                 "rope.dimension_count",
                 format!(

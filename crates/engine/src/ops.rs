@@ -2,20 +2,23 @@
 //! attention over a per-head K/V cache, SwiGLU, and projection through a weight
 //! matrix in either precision.
 
-use ds4_kernels::matmul::{matmul, matmul_exact, WeightMatrix};
+use ds4_kernels::matmul::{matmul, matmul_f32, F32Dot, WeightMatrix};
 use ds4_kernels::pool::ThreadPool;
 use ds4_kernels::{ActivationFormat, QuantizedActivations};
 
 /// How matrix products treat activations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Precision {
-    /// Activations rounded to 8-bit blocks (Q8_0 / Q8_K) and integer dot products,
-    /// as llama.cpp's CPU path does.
+    /// Weights dequantized exactly, f32 activations, SIMD dot products with fused
+    /// multiply-adds: the exact result up to float summation order.
     #[default]
     Fast,
-    /// Weights dequantized exactly and dotted with f32 activations: the reference
-    /// the golden vectors' `f32_reference/` files were made with.
+    /// Weights dequantized exactly and dotted with f32 activations in the scalar
+    /// reference order: what the golden vectors' `f32_reference/` files compute.
     Exact,
+    /// Activations rounded to 8-bit blocks (Q8_0 / Q8_K) and integer dot products,
+    /// as llama.cpp's CPU path does (its numerics, its 0.1-1 nat scatter).
+    Q8,
 }
 
 /// `out = x / rms(x) * w` over each row of `w.len()` elements. The mean of squares
@@ -92,7 +95,7 @@ impl Activations {
 }
 
 /// Projects `x` (rows of `n_in`) through every matrix in `ws`, writing `outs[i]`.
-/// In fast precision `x` is converted once per activation format the matrices
+/// With 8-bit activations `x` is converted once per activation format the matrices
 /// need, however many matrices share it.
 pub fn project(
     pool: &ThreadPool,
@@ -103,12 +106,17 @@ pub fn project(
     outs: &mut [&mut [f32]],
 ) {
     match precision {
-        Precision::Exact => {
+        Precision::Exact | Precision::Fast => {
+            let dot = if precision == Precision::Exact {
+                F32Dot::Reference
+            } else {
+                F32Dot::Fused
+            };
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                matmul_exact(pool, w, x, out);
+                matmul_f32(pool, w, x, out, dot);
             }
         }
-        Precision::Fast => {
+        Precision::Q8 => {
             let mut filled: [Option<ActivationFormat>; 3] = [None; 3];
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
                 let f = w.fmt.activation_format();

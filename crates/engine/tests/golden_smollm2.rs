@@ -2,12 +2,12 @@
 //! forced: feed the prompt plus the reference's first i generated tokens and compare
 //! step i's log-probabilities with the reference's top-5.
 //!
-//! Both paths are compared with `f32_reference/` (the same quantized weights run
-//! exactly in f32; see the vectors' README §4):
-//! - exact path: every top-5 log-prob within 0.03, same argmax wherever the
-//!   reference's top-1/top-2 gap exceeds 0.03;
-//! - fast path (8-bit activations, like llama.cpp's CPU path): mean per-step max
-//!   error <= 0.30, worst <= 1.0, same argmax wherever the gap exceeds 1.0.
+//! Every precision mode is compared with `f32_reference/` (the same quantized
+//! weights run exactly in f32; see the vectors' README §4):
+//! - exact and fast (both f32 activations): every top-5 log-prob within 0.03, same
+//!   argmax wherever the reference's top-1/top-2 gap exceeds 0.03;
+//! - q8 (8-bit activations, like llama.cpp's CPU path): mean per-step max error
+//!   <= 0.30, worst <= 1.0, same argmax wherever the gap exceeds 1.0.
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -105,8 +105,8 @@ fn compare(name: &str, precision: Precision) -> Vec<StepError> {
     out
 }
 
-fn check_exact(name: &str) {
-    let errs = compare(name, Precision::Exact);
+fn check_f32(name: &str, precision: Precision) {
+    let errs = compare(name, precision);
     for (i, e) in errs.iter().enumerate() {
         assert!(
             e.max_abs <= 0.03,
@@ -125,8 +125,8 @@ fn check_exact(name: &str) {
     eprintln!("{name} exact: {} steps, worst {worst:.5}", errs.len());
 }
 
-fn check_fast(name: &str) {
-    let errs = compare(name, Precision::Fast);
+fn check_q8(name: &str) {
+    let errs = compare(name, Precision::Q8);
     let worst = errs.iter().map(|e| e.max_abs).fold(0f32, f32::max);
     let mean = errs.iter().map(|e| e.max_abs).sum::<f32>() / errs.len() as f32;
     eprintln!(
@@ -152,10 +152,13 @@ fn check_fast(name: &str) {
 macro_rules! golden {
     ($($name:ident),*) => {
         mod exact {
-            $(#[test] fn $name() { super::check_exact(stringify!($name)); })*
+            $(#[test] fn $name() { super::check_f32(stringify!($name), super::Precision::Exact); })*
         }
         mod fast {
-            $(#[test] fn $name() { super::check_fast(stringify!($name)); })*
+            $(#[test] fn $name() { super::check_f32(stringify!($name), super::Precision::Fast); })*
+        }
+        mod q8 {
+            $(#[test] fn $name() { super::check_q8(stringify!($name)); })*
         }
     };
 }

@@ -1,4 +1,5 @@
-//! F32 (ggml type 0): little-endian IEEE binary32. Scalar reference, no SIMD.
+//! F32 (ggml type 0): little-endian IEEE binary32. Scalar reference, no SIMD
+//! (the AVX2 [`vec_dot_f32`] is in `x86/avx2.rs`).
 //!
 //! Also home of the f32 dot product every float path ends in. Its summation
 //! order is part of the spec, so that a SIMD kernel doing the same
@@ -39,11 +40,33 @@ pub fn quantize_row_ref(x: &[f32], out: &mut [u8]) {
     }
 }
 
-/// `Σ x[i]·y[i]` in the module's documented 8-lane order.
+/// `Σ x[i]·y[i]` in the module's documented 8-lane order, by the selected
+/// kernel tier (see the crate docs); bit-identical to [`vec_dot_f32_ref`].
 ///
 /// # Panics
 /// If the lengths differ.
+#[inline]
 pub fn vec_dot_f32(x: &[f32], y: &[f32]) -> f32 {
+    (crate::kernels().vec_dot_f32)(x, y)
+}
+
+/// `Σ x[i]·y[i]` in the fastest order the selected tier offers, with fused
+/// multiply-adds where the CPU has them. Deterministic for a given tier, but
+/// the tiers differ in the last bits: scalar is [`vec_dot_f32_ref`]; AVX2
+/// is described in `x86/avx2.rs` (`dot_f32_fused`).
+///
+/// # Panics
+/// If the lengths differ.
+#[inline]
+pub fn vec_dot_f32_fused(x: &[f32], y: &[f32]) -> f32 {
+    (crate::kernels().vec_dot_f32_fused)(x, y)
+}
+
+/// [`vec_dot_f32`], scalar reference.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn vec_dot_f32_ref(x: &[f32], y: &[f32]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_f32 lengths");
     let mut acc = [0.0f32; LANES];
     let xc = x.chunks_exact(LANES);

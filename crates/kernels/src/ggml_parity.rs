@@ -40,7 +40,11 @@ fn inputs() -> (Vec<f32>, Vec<f32>, XorShift) {
     let mut w: Vec<f32> = (0..N)
         .map(|i| {
             let g: f32 = (0..4).map(|_| rng.next_f32()).sum::<f32>() - 2.0;
-            let s = if rng.next_u64() % 97 == 0 { 8.0 } else { 1.7 };
+            let s = if rng.next_u64().is_multiple_of(97) {
+                8.0
+            } else {
+                1.7
+            };
             let block_scale = [0.02f32, 1.0, 1e-4, 30.0][(i / 1024) % 4];
             g * s * block_scale
         })

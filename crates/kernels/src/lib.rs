@@ -10,7 +10,16 @@
 //! This file is the type-erased front end the engine uses: [`WeightFormat`]
 //! (a ggml type id we can run), [`dequantize_row`], [`quantize_row`],
 //! [`QuantizedActivations`] and the dot products [`vec_dot`] and
-//! [`vec_dot_exact`].
+//! [`vec_dot_exact`]; and the kernel table those go through.
+//!
+//! Kernel tiers: the hot kernels (the Q8_0-activation dot products,
+//! [`f32::vec_dot_f32`], Q4_1/Q8_0 dequantization and Q8_0 activation
+//! quantization) have SIMD versions (`x86/`). One `Kernels` table is chosen
+//! at first use by runtime feature detection, capped by the environment
+//! variable `DS4_KERNELS` (`scalar` or `avx2`; read once), and every call goes
+//! through it. Every tier is bit-identical to the scalar references, so the
+//! choice changes speed only; [`kernel_tier`] names it. The one exception is
+//! [`f32::vec_dot_f32_fused`], whose summation order is each tier's own.
 //!
 //! Conventions shared by all modules:
 //! - f16 fields are stored as little-endian `[u8; 2]` so that every weight
@@ -34,17 +43,127 @@ pub mod q5_0;
 pub mod q6_k;
 pub mod q8_0;
 pub mod q8_k;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 #[cfg(test)]
 mod ggml_parity;
 #[cfg(test)]
 mod testing;
+#[cfg(test)]
+mod tier_parity;
+
+use std::sync::OnceLock;
 
 use q8_0::{BlockQ8_0, QK8_0};
 use q8_k::BlockQ8_K;
 
 /// Number of weights in a K-quant super-block (ggml `QK_K`).
 pub const QK_K: usize = 256;
+
+/// One implementation of every kernel that has SIMD versions: a tier.
+/// Each entry computes bit for bit what the scalar reference it names does,
+/// with the same length checks (panics).
+pub(crate) struct Kernels {
+    /// The tier's name, as [`kernel_tier`] reports it and `DS4_KERNELS` takes it.
+    pub(crate) tier: &'static str,
+    /// [`q4_0::vec_dot_q4_0_q8_0`].
+    pub(crate) vec_dot_q4_0_q8_0: fn(&[q4_0::BlockQ4_0], &[BlockQ8_0]) -> f32,
+    /// [`q4_1::vec_dot_q4_1_q8_0`].
+    pub(crate) vec_dot_q4_1_q8_0: fn(&[q4_1::BlockQ4_1], &[BlockQ8_0]) -> f32,
+    /// [`q5_0::vec_dot_q5_0_q8_0`].
+    pub(crate) vec_dot_q5_0_q8_0: fn(&[q5_0::BlockQ5_0], &[BlockQ8_0]) -> f32,
+    /// [`q8_0::vec_dot_q8_0_q8_0`].
+    pub(crate) vec_dot_q8_0_q8_0: fn(&[BlockQ8_0], &[BlockQ8_0]) -> f32,
+    /// [`f32::vec_dot_f32_ref`].
+    pub(crate) vec_dot_f32: fn(&[f32], &[f32]) -> f32,
+    /// [`f32::vec_dot_f32_fused`]: the one entry that is not bit-identical
+    /// across tiers; each tier documents its own fixed order.
+    pub(crate) vec_dot_f32_fused: fn(&[f32], &[f32]) -> f32,
+    /// [`q4_1::dequantize_row`].
+    pub(crate) dequantize_row_q4_1: fn(&[q4_1::BlockQ4_1], &mut [f32]),
+    /// [`q8_0::dequantize_row`].
+    pub(crate) dequantize_row_q8_0: fn(&[BlockQ8_0], &mut [f32]),
+    /// [`q8_0::quantize_row_ref`].
+    pub(crate) quantize_row_q8_0: fn(&[f32], &mut [BlockQ8_0]),
+}
+
+/// The scalar references: the lowest tier, available everywhere.
+pub(crate) static SCALAR: Kernels = Kernels {
+    tier: "scalar",
+    vec_dot_q4_0_q8_0: q4_0::vec_dot_q4_0_q8_0,
+    vec_dot_q4_1_q8_0: q4_1::vec_dot_q4_1_q8_0,
+    vec_dot_q5_0_q8_0: q5_0::vec_dot_q5_0_q8_0,
+    vec_dot_q8_0_q8_0: q8_0::vec_dot_q8_0_q8_0,
+    vec_dot_f32: f32::vec_dot_f32_ref,
+    vec_dot_f32_fused: f32::vec_dot_f32_ref,
+    dequantize_row_q4_1: q4_1::dequantize_row,
+    dequantize_row_q8_0: q8_0::dequantize_row,
+    quantize_row_q8_0: q8_0::quantize_row_ref,
+};
+
+/// Every tier name, lowest first: what `DS4_KERNELS` accepts.
+const TIER_NAMES: [&str; 2] = ["scalar", "avx2"];
+
+/// The tiers this CPU can run, lowest first (always starts with [`SCALAR`]).
+pub(crate) fn available_tiers() -> Vec<&'static Kernels> {
+    #[allow(unused_mut)]
+    let mut tiers = vec![&SCALAR];
+    #[cfg(target_arch = "x86_64")]
+    tiers.extend(x86::avx2());
+    tiers
+}
+
+/// The highest of `available` (lowest first) that is not above `request`
+/// (a `DS4_KERNELS` value; unset or empty means no cap).
+fn select_tier(
+    request: Option<&str>,
+    available: &[&'static Kernels],
+) -> Result<&'static Kernels, String> {
+    let best = *available
+        .last()
+        .expect("the scalar tier is always available");
+    let Some(request) = request.map(str::trim).filter(|r| !r.is_empty()) else {
+        return Ok(best);
+    };
+    let rank = |name: &str| TIER_NAMES.iter().position(|&t| t == name);
+    let Some(cap) = rank(request) else {
+        return Err(format!(
+            "DS4_KERNELS={request:?} is not a kernel tier; expected one of {}",
+            TIER_NAMES.join(", ")
+        ));
+    };
+    Ok(available
+        .iter()
+        .rev()
+        .find(|k| rank(k.tier).is_some_and(|r| r <= cap))
+        .copied()
+        .unwrap_or(best))
+}
+
+/// The kernel table in use, chosen on first call.
+///
+/// # Panics
+/// If `DS4_KERNELS` is set to something other than a tier name.
+#[inline]
+fn kernels() -> &'static Kernels {
+    static SELECTED: OnceLock<&'static Kernels> = OnceLock::new();
+    SELECTED.get_or_init(|| {
+        let request = std::env::var("DS4_KERNELS").ok();
+        select_tier(request.as_deref(), &available_tiers()).unwrap_or_else(|e| panic!("{e}"))
+    })
+}
+
+/// The name of the kernel tier in use: `"avx2"` (AVX2 + F16C, x86_64) or
+/// `"scalar"`. The first call picks it: the best the CPU supports, capped by
+/// the environment variable `DS4_KERNELS` (`scalar` or `avx2`) if set. Call it
+/// at start-up so that a bad `DS4_KERNELS` fails there.
+///
+/// # Panics
+/// If `DS4_KERNELS` is set to something other than a tier name.
+pub fn kernel_tier() -> &'static str {
+    kernels().tier
+}
 
 /// Errors from the type-erased front end. Each names the format and the sizes involved.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -182,7 +301,7 @@ impl WeightFormat {
     /// of the block size (or the size overflows).
     pub fn row_bytes(self, n: usize) -> Option<usize> {
         let bs = self.block_size();
-        if n % bs != 0 {
+        if !n.is_multiple_of(bs) {
             return None;
         }
         (n / bs).checked_mul(self.block_bytes())
@@ -255,9 +374,9 @@ pub fn dequantize_row(fmt: WeightFormat, row: &[u8], out: &mut [f32]) -> Result<
         WeightFormat::F16 => f16::dequantize_row(row, out),
         WeightFormat::BF16 => bf16::dequantize_row(row, out),
         WeightFormat::Q4_0 => q4_0::dequantize_row(q4_0::blocks(row)?, out),
-        WeightFormat::Q4_1 => q4_1::dequantize_row(q4_1::blocks(row)?, out),
+        WeightFormat::Q4_1 => (kernels().dequantize_row_q4_1)(q4_1::blocks(row)?, out),
         WeightFormat::Q5_0 => q5_0::dequantize_row(q5_0::blocks(row)?, out),
-        WeightFormat::Q8_0 => q8_0::dequantize_row(q8_0::blocks(row)?, out),
+        WeightFormat::Q8_0 => (kernels().dequantize_row_q8_0)(q8_0::blocks(row)?, out),
         WeightFormat::Q4_K => q4_k::dequantize_row(q4_k::blocks(row)?, out),
         WeightFormat::Q6_K => q6_k::dequantize_row(q6_k::blocks(row)?, out),
     }
@@ -397,14 +516,14 @@ impl QuantizedActivations {
     pub fn requantize(&mut self, x: &[f32], n: usize) -> Result<(), KernelError> {
         let format = self.format();
         let block_size = format.block_size();
-        if n == 0 || n % block_size != 0 {
+        if n == 0 || !n.is_multiple_of(block_size) {
             return Err(KernelError::RowLength {
                 format: format.name(),
                 len: n,
                 block_size,
             });
         }
-        if x.len() % n != 0 {
+        if !x.len().is_multiple_of(n) {
             return Err(KernelError::RowCount { len: x.len(), n });
         }
         match &mut self.data {
@@ -415,7 +534,7 @@ impl QuantizedActivations {
             ActivationData::Q8_0(v) => {
                 v.clear();
                 v.resize(x.len() / QK8_0, BlockQ8_0::ZERO);
-                q8_0::quantize_row_ref(x, v);
+                (kernels().quantize_row_q8_0)(x, v);
             }
             ActivationData::Q8_K(v) => {
                 v.clear();
@@ -480,9 +599,9 @@ impl QuantizedActivations {
     }
 }
 
-/// Scalar dot product of one encoded weight row of `n` elements with one
-/// activation row in `fmt.activation_format()`. Dispatches to the per-format
-/// reference kernels (`q4_0::vec_dot_q4_0_q8_0`, ...).
+/// Dot product of one encoded weight row of `n` elements with one activation
+/// row in `fmt.activation_format()`: the per-format kernel of the selected
+/// tier, bit-identical to the scalar reference (`q4_0::vec_dot_q4_0_q8_0`, ...).
 ///
 /// # Panics
 /// If the activation format is not `fmt.activation_format()`, or `w_row` /
@@ -502,16 +621,16 @@ pub fn vec_dot(fmt: WeightFormat, n: usize, w_row: &[u8], act: ActivationRow<'_>
         (WeightFormat::F16, ActivationRow::F32(y)) => f16::vec_dot_f16_f32(w_row, y),
         (WeightFormat::BF16, ActivationRow::F32(y)) => bf16::vec_dot_bf16_f32(w_row, y),
         (WeightFormat::Q4_0, ActivationRow::Q8_0(y)) => {
-            q4_0::vec_dot_q4_0_q8_0(cast_checked(w_row), y)
+            (kernels().vec_dot_q4_0_q8_0)(cast_checked(w_row), y)
         }
         (WeightFormat::Q4_1, ActivationRow::Q8_0(y)) => {
-            q4_1::vec_dot_q4_1_q8_0(cast_checked(w_row), y)
+            (kernels().vec_dot_q4_1_q8_0)(cast_checked(w_row), y)
         }
         (WeightFormat::Q5_0, ActivationRow::Q8_0(y)) => {
-            q5_0::vec_dot_q5_0_q8_0(cast_checked(w_row), y)
+            (kernels().vec_dot_q5_0_q8_0)(cast_checked(w_row), y)
         }
         (WeightFormat::Q8_0, ActivationRow::Q8_0(y)) => {
-            q8_0::vec_dot_q8_0_q8_0(cast_checked(w_row), y)
+            (kernels().vec_dot_q8_0_q8_0)(cast_checked(w_row), y)
         }
         (WeightFormat::Q4_K, ActivationRow::Q8_K(y)) => {
             q4_k::vec_dot_q4_K_q8_K(cast_checked(w_row), y)

@@ -87,9 +87,29 @@ thread_local! {
     static ROW_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The exact path: every weight row is dequantized exactly and dotted with the f32
-/// activations `x` (`n_tokens` rows of `n_in`), with no activation rounding.
-pub fn matmul_exact(pool: &ThreadPool, w: &WeightMatrix<'_>, x: &[f32], out: &mut [f32]) {
+/// How [`matmul_f32`] sums a dequantized row against f32 activations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum F32Dot {
+    /// [`crate::f32::vec_dot_f32`]: the fixed 8-lane order of the scalar reference.
+    Reference,
+    /// [`crate::f32::vec_dot_f32_fused`]: the fastest order the CPU offers, with
+    /// fused multiply-adds where present.
+    Fused,
+}
+
+/// Every weight row is dequantized exactly and dotted with the f32 activations `x`
+/// (`n_tokens` rows of `n_in`): no activation rounding at all.
+pub fn matmul_f32(
+    pool: &ThreadPool,
+    w: &WeightMatrix<'_>,
+    x: &[f32],
+    out: &mut [f32],
+    dot: F32Dot,
+) {
+    let dot_fn = match dot {
+        F32Dot::Reference => crate::f32::vec_dot_f32,
+        F32Dot::Fused => crate::f32::vec_dot_f32_fused,
+    };
     assert_eq!(x.len() % w.n_in, 0, "activation length");
     let n_tokens = x.len() / w.n_in;
     assert_eq!(out.len(), n_tokens * w.n_out, "output size");
@@ -100,10 +120,10 @@ pub fn matmul_exact(pool: &ThreadPool, w: &WeightMatrix<'_>, x: &[f32], out: &mu
             scratch.resize(w.n_in, 0.0);
             for r in split_range(w.n_out, ith, n_threads) {
                 if let Err(e) = dequantize_row(w.fmt, w.row(r), scratch) {
-                    panic!("matmul_exact: {e}");
+                    panic!("matmul_f32: {e}");
                 }
                 for (t, xt) in x.chunks_exact(w.n_in).enumerate() {
-                    let v = crate::f32::vec_dot_f32(scratch, xt);
+                    let v = dot_fn(scratch, xt);
                     // SAFETY: in bounds as above; row r belongs to this thread alone.
                     unsafe { ptr.write(t * w.n_out + r, v) };
                 }
@@ -152,7 +172,7 @@ mod tests {
                 matmul(&pool, &w, &act, &mut out);
                 assert_eq!(out, want, "{} on {threads} threads", fmt.name());
                 let mut exact = vec![f32::NAN; n_tok * n_out];
-                matmul_exact(&pool, &w, &x, &mut exact);
+                matmul_f32(&pool, &w, &x, &mut exact, F32Dot::Reference);
                 let mut deq = vec![0f32; n_in];
                 for t in 0..n_tok {
                     for r in 0..n_out {

@@ -118,7 +118,10 @@ impl ThreadPool {
         chunk_len: usize,
         f: &(dyn Fn(usize, &mut [T]) + Sync),
     ) {
-        assert!(chunk_len > 0 && data.len() % chunk_len == 0, "chunking");
+        assert!(
+            chunk_len > 0 && data.len().is_multiple_of(chunk_len),
+            "chunking"
+        );
         let n_chunks = data.len() / chunk_len;
         let base = SendPtr(data.as_mut_ptr());
         let n_threads = self.n_threads();

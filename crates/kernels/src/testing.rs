@@ -37,7 +37,7 @@ impl XorShift {
         (0..n)
             .map(|_| {
                 let g: f32 = (0..4).map(|_| self.next_f32()).sum::<f32>() - 2.0;
-                let outlier = self.next_u64() % 97 == 0;
+                let outlier = self.next_u64().is_multiple_of(97);
                 sigma * g * if outlier { 8.0 } else { 1.7 }
             })
             .collect()

@@ -1,0 +1,716 @@
+//! Every kernel tier against the scalar references, bit for bit. Test builds only.
+//!
+//! Each test body runs on every tier this CPU has ([`available_tiers`]): the
+//! scalar tier checks the harness, the SIMD tiers are checked against the
+//! scalar references with `to_bits` equality (NaN only where both are NaN).
+//! Inputs are random blocks (every byte random: -128, all nibbles and all
+//! fifth bits occur), blocks quantized from realistic weights, and edge
+//! blocks; lengths cover 1 block, odd counts and every remainder mod 8.
+//!
+//! `bench_tiers` (ignored) prints timings:
+//! `cargo test --release -p ds4-kernels -- --ignored --nocapture bench_tiers`.
+
+use bytemuck::{Pod, Zeroable};
+
+use crate::f16::fp32_to_fp16;
+use crate::q4_0::{self, BlockQ4_0};
+use crate::q4_1::{self, BlockQ4_1};
+use crate::q5_0::{self, BlockQ5_0};
+use crate::q8_0::{self, BlockQ8_0, QK8_0};
+use crate::testing::XorShift;
+use crate::{available_tiers, select_tier, Kernels, SCALAR, TIER_NAMES};
+
+/// Block counts: 1, odd counts, every remainder mod 8, and a few long rows.
+const BLOCK_COUNTS: [usize; 18] = [
+    1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 18, 31, 33, 48, 100, 257,
+];
+
+fn same_bits(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+/// How the f16 scale fields (`d`, and `m` for Q4_1) of generated blocks are set.
+#[derive(Clone, Copy, Debug)]
+enum Scales {
+    /// Any finite f16: zero, subnormals, up to ±65504.
+    AnyFinite,
+    /// ±[1e-3, 0.1): the magnitudes real models have.
+    Typical,
+    /// One bit pattern everywhere.
+    Fixed(u16),
+}
+
+fn scale(rng: &mut XorShift, how: Scales) -> [u8; 2] {
+    match how {
+        Scales::AnyFinite => loop {
+            let bits = (rng.next_u64() >> 48) as u16;
+            if bits & 0x7c00 != 0x7c00 {
+                return bits.to_le_bytes();
+            }
+        },
+        Scales::Typical => {
+            let mag = 10f32.powf(rng.uniform(-3.0, -1.0));
+            fp32_to_fp16(if rng.byte() & 1 == 0 { mag } else { -mag })
+        }
+        Scales::Fixed(bits) => bits.to_le_bytes(),
+    }
+}
+
+/// `nb` blocks of random bytes whose first `n_scales` f16 fields are then set by `how`.
+fn random_blocks<T: Pod>(rng: &mut XorShift, nb: usize, n_scales: usize, how: Scales) -> Vec<T> {
+    let mut v = vec![T::zeroed(); nb];
+    for b in bytemuck::cast_slice_mut::<T, u8>(&mut v) {
+        *b = rng.byte();
+    }
+    set_scales(&mut v, n_scales, |_| scale(rng, how));
+    v
+}
+
+fn set_scales<T: Pod>(v: &mut [T], n_scales: usize, mut f: impl FnMut(usize) -> [u8; 2]) {
+    for blk in v.iter_mut() {
+        let bytes = bytemuck::bytes_of_mut(blk);
+        for s in 0..n_scales {
+            bytes[2 * s..2 * s + 2].copy_from_slice(&f(s));
+        }
+    }
+}
+
+/// Fills every byte after the `n_scales` scale fields with `byte`.
+fn fill_quants<T: Pod>(v: &mut [T], n_scales: usize, byte: u8) {
+    for blk in v.iter_mut() {
+        for b in &mut bytemuck::bytes_of_mut(blk)[2 * n_scales..] {
+            *b = byte;
+        }
+    }
+}
+
+type DotFn<X> = fn(&[X], &[BlockQ8_0]) -> f32;
+
+/// One weight format's dot product, its scalar reference and its table entry.
+struct DotCase<X> {
+    name: &'static str,
+    n_scales: usize,
+    reference: DotFn<X>,
+    entry: fn(&Kernels) -> DotFn<X>,
+    /// A weight block and an activation block (scales unset) whose products
+    /// are all large and of one sign, so that `sumi` has 15-19 significant
+    /// bits and `sumi·d` is inexact: only such blocks tell `(sumi·dx)·dy`
+    /// from `sumi·(dx·dy)` (a product of two f16 is exact in f32, and random
+    /// quants give sums of ~11 bits, whose products with a scale are exact too).
+    large: fn(&mut XorShift) -> (X, BlockQ8_0),
+}
+
+/// An activation block with |q| in 64..=127; positive only if `positive`.
+fn large_q8(rng: &mut XorShift, positive: bool) -> BlockQ8_0 {
+    let mut y = BlockQ8_0::ZERO;
+    for q in &mut y.qs {
+        let mag = 64 + (rng.byte() & 63) as i8;
+        *q = if positive || rng.byte() & 1 == 0 {
+            mag
+        } else {
+            -mag
+        };
+    }
+    y
+}
+
+/// Packs 32 4-bit quants in ggml's nibble order.
+fn pack_nibbles(q: &[u8; 32]) -> [u8; 16] {
+    std::array::from_fn(|j| q[j] | (q[j + 16] << 4))
+}
+
+fn check_dot<X: Pod>(case: &DotCase<X>, x: &[X], y: &[BlockQ8_0], what: &str) {
+    let want = (case.reference)(x, y);
+    for k in available_tiers() {
+        let got = (case.entry)(k)(x, y);
+        assert!(
+            same_bits(got, want),
+            "{} [{}] {what}, {} blocks: got {got:e} ({:#010x}), want {want:e} ({:#010x})",
+            case.name,
+            k.tier,
+            x.len(),
+            got.to_bits(),
+            want.to_bits()
+        );
+    }
+}
+
+/// The property test body shared by the four formats.
+fn dot_matches_reference_on_every_tier<X: Pod>(case: DotCase<X>, seed: u64) {
+    let mut rng = XorShift::new(seed);
+    for nb in BLOCK_COUNTS {
+        for how in [Scales::AnyFinite, Scales::Typical] {
+            for _ in 0..4 {
+                let x: Vec<X> = random_blocks(&mut rng, nb, case.n_scales, how);
+                let y: Vec<BlockQ8_0> = random_blocks(&mut rng, nb, 1, how);
+                check_dot(&case, &x, &y, &format!("random, {how:?} scales"));
+            }
+        }
+    }
+
+    // Edge blocks: every quant byte at its extremes, with zero, tiny, huge,
+    // negative-zero and (NaN-compared) infinite and NaN scales.
+    for nb in [1, 7, 8, 9, 33] {
+        for xq in [0x00u8, 0xFF, 0x80, 0x7F, 0x0F, 0xF0] {
+            for yq in [0x80u8, 0x7F, 0x00, 0xFF] {
+                for (dx, dy) in [
+                    (0x0000, 0x0000),
+                    (0x7bff, 0x7bff),
+                    (0xfbff, 0x7bff),
+                    (0x0001, 0x0001),
+                    (0x8000, 0x3c00),
+                    (0x3c00, 0x7c00),
+                    (0x7e00, 0x3c00),
+                    (0x2e66, 0x2118),
+                ] {
+                    let mut x: Vec<X> =
+                        random_blocks(&mut rng, nb, case.n_scales, Scales::Fixed(dx));
+                    let mut y: Vec<BlockQ8_0> = random_blocks(&mut rng, nb, 1, Scales::Fixed(dy));
+                    fill_quants(&mut x, case.n_scales, xq);
+                    fill_quants(&mut y, 1, yq);
+                    let what =
+                        format!("x quants {xq:#04x}, y quants {yq:#04x}, d {dx:#06x}/{dy:#06x}");
+                    check_dot(&case, &x, &y, &what);
+                }
+            }
+        }
+    }
+    // Large integer sums (see `DotCase::large`).
+    for nb in BLOCK_COUNTS {
+        for how in [Scales::AnyFinite, Scales::Typical] {
+            for _ in 0..4 {
+                let (mut x, mut y): (Vec<X>, Vec<BlockQ8_0>) =
+                    (0..nb).map(|_| (case.large)(&mut rng)).unzip();
+                set_scales(&mut x, case.n_scales, |_| scale(&mut rng, how));
+                set_scales(&mut y, 1, |_| scale(&mut rng, how));
+                check_dot(&case, &x, &y, &format!("large sums, {how:?} scales"));
+            }
+        }
+    }
+    // All-zero blocks, alone and between random ones.
+    for nb in [1, 9] {
+        let x = vec![X::zeroed(); nb];
+        let y = vec![BlockQ8_0::ZERO; nb];
+        check_dot(&case, &x, &y, "all-zero blocks");
+        let mut x: Vec<X> = random_blocks(&mut rng, nb, case.n_scales, Scales::Typical);
+        let y: Vec<BlockQ8_0> = random_blocks(&mut rng, nb, 1, Scales::Typical);
+        x[nb / 2] = X::zeroed();
+        check_dot(&case, &x, &y, "one all-zero weight block");
+    }
+}
+
+/// Rows quantized the way the engine does it: realistic weights × Q8_0 activations.
+fn dot_matches_reference_on_quantized_rows<X: Pod>(
+    case: DotCase<X>,
+    quantize: fn(&[f32], &mut [X]),
+    seed: u64,
+) {
+    let mut rng = XorShift::new(seed);
+    for nb in BLOCK_COUNTS {
+        let n = nb * QK8_0;
+        let w = rng.vec_weights(n, 0.02);
+        let a = rng.vec_uniform(n, -4.0, 4.0);
+        let mut x = vec![X::zeroed(); nb];
+        let mut y = vec![BlockQ8_0::ZERO; nb];
+        quantize(&w, &mut x);
+        q8_0::quantize_row_ref(&a, &mut y);
+        check_dot(&case, &x, &y, "quantized rows");
+    }
+}
+
+fn q4_0_case() -> DotCase<BlockQ4_0> {
+    DotCase {
+        name: "vec_dot_q4_0_q8_0",
+        n_scales: 1,
+        reference: q4_0::vec_dot_q4_0_q8_0,
+        entry: |k| k.vec_dot_q4_0_q8_0,
+        large: |rng| {
+            // q - 8 = +7 where y > 0, -8 where y < 0.
+            let y = large_q8(rng, false);
+            let q = y.qs.map(|v| if v > 0 { 15 } else { 0 });
+            let x = BlockQ4_0 {
+                d: [0; 2],
+                qs: pack_nibbles(&q),
+            };
+            (x, y)
+        },
+    }
+}
+
+fn q4_1_case() -> DotCase<BlockQ4_1> {
+    DotCase {
+        name: "vec_dot_q4_1_q8_0",
+        n_scales: 2,
+        reference: q4_1::vec_dot_q4_1_q8_0,
+        entry: |k| k.vec_dot_q4_1_q8_0,
+        large: |rng| {
+            let y = large_q8(rng, true);
+            let q = std::array::from_fn(|_| 8 + (rng.byte() & 7));
+            let x = BlockQ4_1 {
+                d: [0; 2],
+                m: [0; 2],
+                qs: pack_nibbles(&q),
+            };
+            (x, y)
+        },
+    }
+}
+
+fn q5_0_case() -> DotCase<BlockQ5_0> {
+    DotCase {
+        name: "vec_dot_q5_0_q8_0",
+        n_scales: 1,
+        reference: q5_0::vec_dot_q5_0_q8_0,
+        entry: |k| k.vec_dot_q5_0_q8_0,
+        large: |rng| {
+            // q - 16 in 9..=15 where y > 0, -16..=-9 where y < 0.
+            let y = large_q8(rng, false);
+            let q: [u8; 32] = y.qs.map(|v| {
+                let m = rng.byte() & 7;
+                if v > 0 {
+                    24 + m
+                } else {
+                    m
+                }
+            });
+            let qh = (0..32).fold(0u32, |h, i| h | (((q[i] >> 4) as u32 & 1) << i));
+            let low = q.map(|v| v & 0x0F);
+            let x = BlockQ5_0 {
+                d: [0; 2],
+                qh: qh.to_le_bytes(),
+                qs: pack_nibbles(&low),
+            };
+            (x, y)
+        },
+    }
+}
+
+fn q8_0_case() -> DotCase<BlockQ8_0> {
+    DotCase {
+        name: "vec_dot_q8_0_q8_0",
+        n_scales: 1,
+        reference: q8_0::vec_dot_q8_0_q8_0,
+        entry: |k| k.vec_dot_q8_0_q8_0,
+        large: |rng| {
+            let y = large_q8(rng, false);
+            let mut x = large_q8(rng, true);
+            for (a, &b) in x.qs.iter_mut().zip(&y.qs) {
+                *a = if b < 0 { -*a } else { *a };
+            }
+            (x, y)
+        },
+    }
+}
+
+#[test]
+fn vec_dot_q4_0_q8_0_is_bit_identical_on_every_tier() {
+    dot_matches_reference_on_every_tier(q4_0_case(), 100);
+    dot_matches_reference_on_quantized_rows(q4_0_case(), q4_0::quantize_row_ref, 101);
+}
+
+#[test]
+fn vec_dot_q4_1_q8_0_is_bit_identical_on_every_tier() {
+    dot_matches_reference_on_every_tier(q4_1_case(), 110);
+    dot_matches_reference_on_quantized_rows(q4_1_case(), q4_1::quantize_row_ref, 111);
+}
+
+#[test]
+fn vec_dot_q5_0_q8_0_is_bit_identical_on_every_tier() {
+    dot_matches_reference_on_every_tier(q5_0_case(), 120);
+    dot_matches_reference_on_quantized_rows(q5_0_case(), q5_0::quantize_row_ref, 121);
+}
+
+#[test]
+fn vec_dot_q8_0_q8_0_is_bit_identical_on_every_tier() {
+    dot_matches_reference_on_every_tier(q8_0_case(), 130);
+    dot_matches_reference_on_quantized_rows(q8_0_case(), q8_0::quantize_row_ref, 131);
+}
+
+#[test]
+fn vec_dot_f32_is_bit_identical_on_every_tier() {
+    let mut rng = XorShift::new(140);
+    let check = |x: &[f32], y: &[f32], what: &str| {
+        let want = crate::f32::vec_dot_f32_ref(x, y);
+        for k in available_tiers() {
+            let got = (k.vec_dot_f32)(x, y);
+            assert!(
+                same_bits(got, want),
+                "vec_dot_f32 [{}] {what}, n = {}: got {got:e}, want {want:e}",
+                k.tier,
+                x.len()
+            );
+        }
+    };
+    let lengths = (0..=70).chain([64, 127, 576, 1536, 4099]);
+    for n in lengths {
+        let x = rng.vec_uniform(n, -1.0, 1.0);
+        let y = rng.vec_uniform(n, -1e3, 1e3);
+        check(&x, &y, "uniform");
+        // Mixed magnitudes, so that every rounding of the lane sums matters.
+        let x: Vec<f32> = (0..n)
+            .map(|_| rng.uniform(-1.0, 1.0) * 10f32.powi(rng.byte() as i32 % 16 - 8))
+            .collect();
+        check(&x, &y, "mixed magnitudes");
+    }
+    // Edge values: signed zeros, cancellation, overflow, infinities, NaN.
+    let specials = [
+        0.0,
+        -0.0,
+        1e8,
+        -1e8,
+        1.0,
+        f32::MAX,
+        -f32::MAX,
+        f32::MIN_POSITIVE / 3.0,
+    ];
+    for n in [1, 8, 9, 17, 64] {
+        for _ in 0..20 {
+            let pick = |rng: &mut XorShift| specials[rng.byte() as usize % specials.len()];
+            let x: Vec<f32> = (0..n).map(|_| pick(&mut rng)).collect();
+            let y: Vec<f32> = (0..n).map(|_| pick(&mut rng)).collect();
+            check(&x, &y, "special values");
+        }
+        let mut x = rng.vec_uniform(n, -1.0, 1.0);
+        x[n / 2] = f32::INFINITY;
+        check(&x, &x.clone(), "with inf");
+        x[0] = f32::NAN;
+        check(&x, &x.clone(), "with NaN");
+    }
+}
+
+/// The order `x86/avx2.rs` documents for its `dot_f32_fused`, one element
+/// at a time (`mul_add` is the correctly rounded fused multiply-add).
+fn dot_f32_fused_avx2_spec(x: &[f32], y: &[f32]) -> f32 {
+    let n = x.len();
+    let mut acc = [[0.0f32; 8]; 4];
+    let whole32 = n / 32 * 32;
+    for i in 0..whole32 {
+        let a = &mut acc[(i % 32) / 8][i % 8];
+        *a = x[i].mul_add(y[i], *a);
+    }
+    let whole8 = n / 8 * 8;
+    for i in whole32..whole8 {
+        let a = &mut acc[(i - whole32) / 8][i % 8];
+        *a = x[i].mul_add(y[i], *a);
+    }
+    let mut lanes: [f32; 8] =
+        std::array::from_fn(|l| (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]));
+    for i in whole8..n {
+        lanes[i % 8] = x[i].mul_add(y[i], lanes[i % 8]);
+    }
+    crate::f32::reduce_lanes(&lanes)
+}
+
+/// The fused dot is each tier's own fixed order: scalar is the reference,
+/// AVX2 its documented 4×8-lane FMA order. All are close to the f64 dot.
+#[test]
+fn vec_dot_f32_fused_follows_each_tiers_order() {
+    let mut rng = XorShift::new(145);
+    for n in (0..=100).chain([127, 576, 1536, 4099]) {
+        let x = rng.vec_uniform(n, -1.0, 1.0);
+        let y: Vec<f32> = (0..n)
+            .map(|_| rng.uniform(-1.0, 1.0) * 10f32.powi(rng.byte() as i32 % 8 - 4))
+            .collect();
+        let exact = crate::testing::dot_f64(&x, &y);
+        let scale: f64 = x.iter().zip(&y).map(|(a, b)| (a * b).abs() as f64).sum();
+        for k in available_tiers() {
+            let got = (k.vec_dot_f32_fused)(&x, &y);
+            let want = match k.tier {
+                "scalar" => crate::f32::vec_dot_f32_ref(&x, &y),
+                "avx2" => dot_f32_fused_avx2_spec(&x, &y),
+                other => panic!("no fused-dot spec for tier {other}"),
+            };
+            assert!(
+                same_bits(got, want),
+                "[{}] n = {n}: got {got:e}, want {want:e}",
+                k.tier
+            );
+            assert!(
+                (got as f64 - exact).abs() <= 1e-6 * scale + 1e-30,
+                "[{}] n = {n}: got {got}, f64 {exact}",
+                k.tier
+            );
+        }
+    }
+}
+
+#[test]
+fn dequantize_rows_are_bit_identical_on_every_tier() {
+    let mut rng = XorShift::new(150);
+    for nb in BLOCK_COUNTS {
+        for how in [Scales::AnyFinite, Scales::Typical, Scales::Fixed(0x8000)] {
+            let x: Vec<BlockQ4_1> = random_blocks(&mut rng, nb, 2, how);
+            let mut want = vec![0.0; nb * QK8_0];
+            q4_1::dequantize_row(&x, &mut want);
+            let x8: Vec<BlockQ8_0> = random_blocks(&mut rng, nb, 1, how);
+            let mut want8 = vec![0.0; nb * QK8_0];
+            q8_0::dequantize_row(&x8, &mut want8);
+            for k in available_tiers() {
+                let mut got = vec![f32::NAN; nb * QK8_0];
+                (k.dequantize_row_q4_1)(&x, &mut got);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "q4_1 [{}] {nb} blocks, {how:?}",
+                    k.tier
+                );
+                (k.dequantize_row_q8_0)(&x8, &mut got);
+                assert_eq!(
+                    bits(&got),
+                    bits(&want8),
+                    "q8_0 [{}] {nb} blocks, {how:?}",
+                    k.tier
+                );
+            }
+        }
+    }
+}
+
+fn check_quantize(x: &[f32], what: &str) {
+    let nb = x.len() / QK8_0;
+    let mut want = vec![BlockQ8_0::ZERO; nb];
+    q8_0::quantize_row_ref(x, &mut want);
+    for k in available_tiers() {
+        let mut got = vec![BlockQ8_0::ZERO; nb];
+        (k.quantize_row_q8_0)(x, &mut got);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                g, w,
+                "quantize_row_q8_0 [{}] {what}: block {i} of {nb}",
+                k.tier
+            );
+        }
+    }
+}
+
+#[test]
+fn quantize_row_q8_0_is_bit_identical_on_every_tier() {
+    let mut rng = XorShift::new(160);
+    for nb in BLOCK_COUNTS {
+        check_quantize(&rng.vec_uniform(nb * QK8_0, -3.0, 3.0), "uniform");
+        check_quantize(&rng.vec_weights(nb * QK8_0, 0.02), "weights");
+        let x: Vec<f32> = (0..nb * QK8_0)
+            .map(|_| rng.uniform(-1.0, 1.0) * 10f32.powi(rng.byte() as i32 % 80 - 40))
+            .collect();
+        check_quantize(&x, "magnitudes 1e-40..1e40");
+    }
+    // Exact ties: amax = 127 gives d = 1, and amax = 63.5 gives 1/d = 2, so
+    // these land on k + 0.5 and must round away from zero.
+    let mut x = vec![0.0f32; 2 * QK8_0];
+    x[0] = 127.0;
+    x[QK8_0] = -63.5;
+    for i in 1..QK8_0 {
+        let t = (i as f32 - 16.0) * 7.0 + 0.5;
+        x[i] = t.clamp(-126.5, 126.5);
+        x[QK8_0 + i] = t / 2.0 / 2.0;
+    }
+    check_quantize(&x, "ties");
+    let mut rng = XorShift::new(161);
+    for _ in 0..200 {
+        // Random ties and near-ties around 0.5 steps at scale 1.
+        let mut x: Vec<f32> = (0..QK8_0)
+            .map(|_| (rng.byte() as i8 as f32 / 2.0).clamp(-127.0, 127.0))
+            .collect();
+        x[rng.byte() as usize % QK8_0] = -127.0;
+        let j = rng.byte() as usize % QK8_0;
+        x[j] = f32::from_bits(
+            x[j].to_bits()
+                .wrapping_add(rng.byte() as u32 % 3)
+                .wrapping_sub(1),
+        );
+        check_quantize(&x, "random ties");
+    }
+    // Zeros, signed zeros, subnormals, the largest float, infinities, NaN.
+    let specials = [
+        0.0,
+        -0.0,
+        f32::MIN_POSITIVE / 8.0,
+        -f32::MIN_POSITIVE,
+        f32::MAX,
+        -f32::MAX,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+        1.0,
+        -0.5,
+    ];
+    check_quantize(&[0.0; QK8_0], "all zero");
+    check_quantize(&[-0.0; QK8_0], "all negative zero");
+    check_quantize(&[f32::NAN; QK8_0], "all NaN");
+    for _ in 0..300 {
+        let x: Vec<f32> = (0..QK8_0)
+            .map(|_| match rng.byte() % 3 {
+                0 => specials[rng.byte() as usize % specials.len()],
+                _ => rng.uniform(-2.0, 2.0),
+            })
+            .collect();
+        check_quantize(&x, "special values");
+    }
+}
+
+#[test]
+fn tier_selection_honours_the_cap() {
+    let avail = available_tiers();
+    let best = *avail.last().unwrap();
+    assert!(std::ptr::eq(avail[0], &SCALAR));
+    for k in &avail {
+        assert!(TIER_NAMES.contains(&k.tier), "{}", k.tier);
+    }
+    let pick = |r: Option<&str>| select_tier(r, &avail).map(|k| k.tier);
+    assert_eq!(pick(None), Ok(best.tier));
+    assert_eq!(pick(Some("")), Ok(best.tier));
+    assert_eq!(pick(Some("scalar")), Ok("scalar"));
+    assert_eq!(pick(Some(" scalar\n")), Ok("scalar"));
+    assert_eq!(pick(Some("avx2")), Ok(best.tier));
+    assert!(pick(Some("avx512"))
+        .unwrap_err()
+        .contains("expected one of scalar, avx2"));
+    // A cap above what the CPU has falls back to the best it has.
+    assert_eq!(
+        select_tier(Some("avx2"), &[&SCALAR]).map(|k| k.tier),
+        Ok("scalar")
+    );
+    // The process-wide choice is what the environment asks for.
+    let env = std::env::var("DS4_KERNELS").ok();
+    assert_eq!(Ok(crate::kernel_tier()), pick(env.as_deref()));
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        assert_eq!(best.tier, "avx2");
+    }
+}
+
+/// Timings, not a check. Single thread, best of several runs.
+#[test]
+#[ignore = "timing; run with --ignored --nocapture"]
+fn bench_tiers() {
+    use std::hint::black_box;
+    use std::time::Instant;
+
+    /// Minimum over many short samples of `reps` calls: robust to a noisy machine.
+    fn best_ns(reps: usize, mut f: impl FnMut()) -> f64 {
+        f();
+        let start = Instant::now();
+        let mut best = f64::INFINITY;
+        while start.elapsed().as_secs_f64() < 0.5 {
+            let t = Instant::now();
+            for _ in 0..reps {
+                f();
+            }
+            best = best.min(t.elapsed().as_nanos() as f64 / reps as f64);
+        }
+        best
+    }
+
+    /// One single-threaded matvec per tier: `n_out` rows of `n_in` weights.
+    fn matvec<X: Pod>(
+        name: &str,
+        (n_in, n_out): (usize, usize),
+        quantize: fn(&[f32], &mut [X]),
+        entry: fn(&Kernels) -> DotFn<X>,
+        rng: &mut XorShift,
+    ) {
+        let nb = n_in / QK8_0;
+        let mut w = vec![X::zeroed(); n_out * nb];
+        for row in w.chunks_exact_mut(nb) {
+            quantize(&rng.vec_weights(n_in, 0.02), row);
+        }
+        let mut a = vec![BlockQ8_0::ZERO; nb];
+        q8_0::quantize_row_ref(&rng.vec_uniform(n_in, -3.0, 3.0), &mut a);
+        let mut base = 0.0;
+        for k in available_tiers() {
+            let dot = entry(k);
+            let ns = best_ns(1, || {
+                for row in w.chunks_exact(nb) {
+                    black_box(dot(black_box(row), &a));
+                }
+            });
+            if k.tier == "scalar" {
+                base = ns;
+            }
+            println!(
+                "{name} {n_in}x{n_out} [{:>6}]: {:9.1} us  ({:5.2} GB/s of weights, x{:.2} vs scalar)",
+                k.tier,
+                ns / 1e3,
+                size_of_val(&w[..]) as f64 / ns,
+                base / ns
+            );
+        }
+    }
+
+    let mut rng = XorShift::new(170);
+    let q4_1 = (
+        q4_1::quantize_row_ref as fn(&[f32], &mut [BlockQ4_1]),
+        q4_1_case().entry,
+    );
+    matvec("q4_1", (576, 1536), q4_1.0, q4_1.1, &mut rng);
+    matvec("q4_1", (1536, 576), q4_1.0, q4_1.1, &mut rng);
+    matvec(
+        "q4_0",
+        (576, 1536),
+        q4_0::quantize_row_ref,
+        q4_0_case().entry,
+        &mut rng,
+    );
+    matvec(
+        "q5_0",
+        (576, 1536),
+        q5_0::quantize_row_ref,
+        q5_0_case().entry,
+        &mut rng,
+    );
+    let q8 = (
+        q8_0::quantize_row_ref as fn(&[f32], &mut [BlockQ8_0]),
+        q8_0_case().entry,
+    );
+    matvec("q8_0", (576, 1536), q8.0, q8.1, &mut rng);
+    matvec("q8_0", (576, 49152), q8.0, q8.1, &mut rng);
+
+    for n in [64, 576, 1536] {
+        let x = rng.vec_uniform(n, -1.0, 1.0);
+        let y = rng.vec_uniform(n, -1.0, 1.0);
+        let mut base = 0.0;
+        for k in available_tiers() {
+            let ns = best_ns(20_000 / n, || {
+                black_box((k.vec_dot_f32)(black_box(&x), black_box(&y)));
+            });
+            if k.tier == "scalar" {
+                base = ns;
+            }
+            println!(
+                "vec_dot_f32 n={n:<5} [{:>6}]: {:8.1} ns  (x{:.2})",
+                k.tier,
+                ns,
+                base / ns
+            );
+            let nsf = best_ns(20_000 / n, || {
+                black_box((k.vec_dot_f32_fused)(black_box(&x), black_box(&y)));
+            });
+            println!(
+                "vec_dot_f32_fused n={n:<5} [{:>6}]: {:8.1} ns  (x{:.2})",
+                k.tier,
+                nsf,
+                base / nsf
+            );
+        }
+    }
+
+    let n = 1536;
+    let x = rng.vec_weights(n, 0.02);
+    let mut b41 = vec![BlockQ4_1::zeroed(); n / QK8_0];
+    q4_1::quantize_row_ref(&x, &mut b41);
+    let mut b8 = vec![BlockQ8_0::ZERO; n / QK8_0];
+    q8_0::quantize_row_ref(&x, &mut b8);
+    let mut out = vec![0.0f32; n];
+    let mut qout = vec![BlockQ8_0::ZERO; n / QK8_0];
+    for k in available_tiers() {
+        let d41 = best_ns(10, || (k.dequantize_row_q4_1)(black_box(&b41), &mut out));
+        let d8 = best_ns(10, || (k.dequantize_row_q8_0)(black_box(&b8), &mut out));
+        let q8 = best_ns(10, || (k.quantize_row_q8_0)(black_box(&x), &mut qout));
+        println!(
+            "n={n} [{:>6}]: dequantize q4_1 {d41:7.0} ns, dequantize q8_0 {d8:7.0} ns, quantize q8_0 {q8:7.0} ns",
+            k.tier
+        );
+    }
+}
