@@ -35,7 +35,7 @@ fn temp_dir(tag: &str) -> PathBuf {
 }
 
 fn vectors() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/vectors/llama-cpp")
+    ds4_testdata::vectors_dir("llama-cpp")
 }
 
 #[test]

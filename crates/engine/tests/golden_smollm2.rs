@@ -9,7 +9,6 @@
 //! - q8 (8-bit activations, like llama.cpp's CPU path): mean per-step max error
 //!   <= 0.30, worst <= 1.0, same argmax wherever the gap exceeds 1.0.
 
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use ds4_engine::sampler::{argmax, log_softmax};
@@ -19,25 +18,14 @@ use serde_json::Value;
 fn model() -> Arc<Model> {
     static MODEL: OnceLock<Arc<Model>> = OnceLock::new();
     Arc::clone(MODEL.get_or_init(|| {
-        let home = std::env::var_os("DS4_HOME")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| {
-                PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/ds4")
-            });
-        let path = home.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-        assert!(
-            path.is_file(),
-            "model missing at {}: run `cargo run --release -p ds4-cli -- model pull smollm2`",
-            path.display()
-        );
-        Arc::new(Model::load(&path).expect("loading SmolLM2"))
+        Arc::new(
+            Model::load(ds4_testdata::model_path(ds4_testdata::SMOLLM2)).expect("loading SmolLM2"),
+        )
     }))
 }
 
 fn vector(name: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/vectors/llama-cpp/f32_reference")
-        .join(format!("{name}.json"));
+    let path = ds4_testdata::vectors_dir("llama-cpp/f32_reference").join(format!("{name}.json"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).expect("vector JSON")
 }
@@ -110,19 +98,22 @@ fn check_f32(name: &str, precision: Precision) {
     for (i, e) in errs.iter().enumerate() {
         assert!(
             e.max_abs <= 0.03,
-            "{name} exact step {i}: max |Δlogprob| {} > 0.03",
+            "{name} {precision:?} step {i}: max |Δlogprob| {} > 0.03",
             e.max_abs
         );
         if e.ref_gap > 0.03 {
             assert_eq!(
                 e.argmax, e.ref_argmax,
-                "{name} exact step {i}: argmax (gap {})",
+                "{name} {precision:?} step {i}: argmax (gap {})",
                 e.ref_gap
             );
         }
     }
     let worst = errs.iter().map(|e| e.max_abs).fold(0f32, f32::max);
-    eprintln!("{name} exact: {} steps, worst {worst:.5}", errs.len());
+    eprintln!(
+        "{name} {precision:?}: {} steps, worst {worst:.5}",
+        errs.len()
+    );
 }
 
 fn check_q8(name: &str) {
@@ -130,19 +121,19 @@ fn check_q8(name: &str) {
     let worst = errs.iter().map(|e| e.max_abs).fold(0f32, f32::max);
     let mean = errs.iter().map(|e| e.max_abs).sum::<f32>() / errs.len() as f32;
     eprintln!(
-        "{name} fast: {} steps, mean {mean:.4}, worst {worst:.4}",
+        "{name} q8: {} steps, mean {mean:.4}, worst {worst:.4}",
         errs.len()
     );
     assert!(
         mean <= 0.30,
-        "{name} fast: mean per-step max error {mean} > 0.30"
+        "{name} q8: mean per-step max error {mean} > 0.30"
     );
-    assert!(worst <= 1.0, "{name} fast: worst step error {worst} > 1.0");
+    assert!(worst <= 1.0, "{name} q8: worst step error {worst} > 1.0");
     for (i, e) in errs.iter().enumerate() {
         if e.ref_gap > 1.0 {
             assert_eq!(
                 e.argmax, e.ref_argmax,
-                "{name} fast step {i}: argmax (gap {})",
+                "{name} q8 step {i}: argmax (gap {})",
                 e.ref_gap
             );
         }

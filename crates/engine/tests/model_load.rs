@@ -3,7 +3,6 @@
 //! written with the GGUF writer: the real SmolLM2 tokenizer metadata, small random
 //! weights, so a broken variant of it can be made in a few lines.
 
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use ds4_engine::{EngineError, Model, Precision, Session, SessionOptions, ThreadPool};
@@ -20,18 +19,9 @@ const N_VOCAB: u64 = 49152;
 fn real_metadata() -> &'static [(String, Value)] {
     static META: OnceLock<Vec<(String, Value)>> = OnceLock::new();
     META.get_or_init(|| {
-        let home = std::env::var_os("DS4_HOME")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| {
-                PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/ds4")
-            });
-        let path = home.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-        assert!(
-            path.is_file(),
-            "model missing at {}: run `cargo run --release -p ds4-cli -- model pull smollm2`",
-            path.display()
-        );
-        Gguf::open(&path).unwrap().metadata
+        Gguf::open(ds4_testdata::model_path(ds4_testdata::SMOLLM2))
+            .unwrap()
+            .metadata
     })
 }
 

@@ -9,34 +9,12 @@ use ds4_engine::tokenizer::{StreamDecoder, Tokenizer};
 use ds4_gguf::Gguf;
 use serde_json::Value;
 
-const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
-fn model_path() -> PathBuf {
-    let home = std::env::var_os("DS4_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let home = std::env::var_os("HOME").expect("HOME is not set");
-            PathBuf::from(home).join(".cache/ds4")
-        });
-    home.join("models").join(MODEL_FILE)
-}
-
 fn vectors_dir() -> PathBuf {
-    PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/vectors/llama-cpp"
-    ))
+    ds4_testdata::vectors_dir("llama-cpp")
 }
 
 fn load() -> Tokenizer {
-    let path = model_path();
-    if !path.exists() {
-        panic!(
-            "model missing: run `cargo run --release -p ds4-cli -- model pull smollm2` ({})",
-            path.display()
-        );
-    }
-    let g = Gguf::open(&path).expect("open GGUF");
+    let g = Gguf::open(ds4_testdata::model_path(ds4_testdata::SMOLLM2)).expect("open GGUF");
     Tokenizer::from_gguf(&g).expect("tokenizer from GGUF")
 }
 
@@ -264,7 +242,7 @@ fn generation_outputs_stream_decode() {
 #[test]
 fn timing() {
     let t0 = Instant::now();
-    let g = Gguf::open(model_path()).expect("open GGUF");
+    let g = Gguf::open(ds4_testdata::model_path(ds4_testdata::SMOLLM2)).expect("open GGUF");
     let t1 = Instant::now();
     let tok = Tokenizer::from_gguf(&g).expect("tokenizer");
     let t2 = Instant::now();

@@ -7,18 +7,7 @@ use std::path::PathBuf;
 use ds4_gguf::{GgmlType, Gguf, GgufError};
 
 fn model_path() -> PathBuf {
-    let home = std::env::var_os("DS4_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/ds4")
-        });
-    let path = home.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        path.is_file(),
-        "model missing at {}: run `cargo run --release -p ds4-cli -- model pull smollm2`",
-        path.display()
-    );
-    path
+    ds4_testdata::model_path(ds4_testdata::SMOLLM2)
 }
 
 #[test]

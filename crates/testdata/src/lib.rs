@@ -1,0 +1,33 @@
+//! Test-only locations: the real models under `$DS4_HOME/models` (the layout
+//! `ds4 model pull` writes; `scripts/test.sh` pulls before testing) and the golden
+//! vectors in the read-only `shared/` folder beside the repository.
+
+use std::path::PathBuf;
+
+/// File name of the default model (SmolLM2-135M-Instruct, Q4_1).
+pub const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// `$DS4_HOME/models/<file>`, panicking with the command that fetches it when absent.
+pub fn model_path(file: &str) -> PathBuf {
+    let home = std::env::var_os("DS4_HOME")
+        .filter(|h| !h.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME or DS4_HOME must be set"))
+                .join(".cache/ds4")
+        });
+    let path = home.join("models").join(file);
+    assert!(
+        path.is_file(),
+        "model missing at {}: run `cargo run --release -p ds4-cli -- model pull smollm2` (or ./scripts/test.sh)",
+        path.display()
+    );
+    path
+}
+
+/// `shared/vectors/<sub>`, next to the repository root.
+pub fn vectors_dir(sub: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/vectors")
+        .join(sub)
+}
