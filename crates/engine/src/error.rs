@@ -37,6 +37,12 @@ pub enum EngineError {
     TokenOutOfRange { id: u32, n_vocab: usize },
     #[error("no logits yet: prefill at least one token first")]
     NoLogits,
+    #[error("cannot rewind to {to} tokens: the session holds {len}")]
+    RewindBeyondEnd { to: usize, len: usize },
+    #[error("session payload: {reason}")]
+    Payload { reason: String },
+    #[error("session payload I/O: {0}")]
+    PayloadIo(#[source] std::io::Error),
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;

@@ -209,11 +209,60 @@ impl<'g> Binder<'g> {
     }
 }
 
+/// What a checkpoint must match to be loaded into a model: 16 bytes naming the
+/// architecture, hyper-parameters, tokenizer, model identity and tensor shapes, and
+/// 8 bytes naming the quantization (tensor types), which may differ between
+/// checkpoints of the same model unless the operator forbids it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Fingerprint {
+    pub model: [u8; 16],
+    pub quant: [u8; 8],
+}
+
+impl Fingerprint {
+    fn of(g: &Gguf, arch: &str) -> Self {
+        use xxhash_rust::xxh3::Xxh3;
+        const IDENTITY: &[&str] = &[
+            "general.architecture",
+            "general.name",
+            "general.basename",
+            "general.finetune",
+            "general.size_label",
+            "general.version",
+        ];
+        let mut model = Xxh3::new();
+        let arch_prefix = format!("{arch}.");
+        for (k, v) in &g.metadata {
+            let counts = IDENTITY.contains(&k.as_str())
+                || k.starts_with(&arch_prefix)
+                || (k.starts_with("tokenizer.") && k != "tokenizer.chat_template");
+            if counts {
+                model.update(k.as_bytes());
+                model.update(format!("{v:?}").as_bytes());
+            }
+        }
+        let mut quant = Xxh3::new();
+        for t in &g.tensors {
+            model.update(t.name.as_bytes());
+            for d in &t.dims {
+                model.update(&d.to_le_bytes());
+            }
+            quant.update(t.name.as_bytes());
+            quant.update(&t.ty.id().to_le_bytes());
+        }
+        Fingerprint {
+            model: model.digest128().to_le_bytes(),
+            quant: quant.digest().to_le_bytes(),
+        }
+    }
+}
+
 /// A model ready to run.
 pub struct Model {
     gguf: Gguf,
     pub hparams: HParams,
     pub tokenizer: Tokenizer,
+    pub fingerprint: Fingerprint,
     pub(crate) weights: LlamaWeights,
 }
 
@@ -236,10 +285,12 @@ impl Model {
             }
         }
         let weights = LlamaWeights::bind(&gguf, &hparams)?;
+        let fingerprint = Fingerprint::of(&gguf, &hparams.arch);
         Ok(Model {
             gguf,
             hparams,
             tokenizer,
+            fingerprint,
             weights,
         })
     }

@@ -2,6 +2,7 @@
 //! per-layer K/V state and the next-token logits — advanced by chunked prefill and
 //! single-token decode steps.
 
+use std::io::{Read, Write};
 use std::sync::Arc;
 
 use ds4_kernels::pool::ThreadPool;
@@ -10,6 +11,7 @@ use crate::error::{EngineError, Result};
 use crate::model::Model;
 use crate::models::llama::{self, LlamaState, Scratch};
 use crate::ops::Precision;
+use crate::payload::{self, PayloadHeader};
 
 /// Creation options of a [`Session`].
 #[derive(Clone, Debug)]
@@ -131,5 +133,114 @@ impl Session {
     pub fn reset(&mut self) {
         self.tokens.clear();
         self.has_logits = false;
+    }
+
+    /// Cuts the session back to its first `n` tokens, with the logits that follow
+    /// them. The llama layout keeps K/V per position, so this costs one decode step
+    /// (the last kept token is run again to recover its logits) and gives exactly
+    /// the state an uninterrupted session of those `n` tokens has.
+    pub fn rewind(&mut self, n: usize) -> Result<()> {
+        let len = self.tokens.len();
+        if n > len {
+            return Err(EngineError::RewindBeyondEnd { to: n, len });
+        }
+        if n == len {
+            return Ok(());
+        }
+        if n == 0 {
+            self.reset();
+            return Ok(());
+        }
+        let last = self.tokens[n - 1];
+        self.tokens.truncate(n - 1);
+        self.decode_step(last)
+    }
+
+    /// Exact size of [`save_payload`](Self::save_payload)'s output.
+    pub fn payload_bytes(&self) -> u64 {
+        self.payload_header().payload_bytes()
+    }
+
+    fn payload_header(&self) -> PayloadHeader {
+        PayloadHeader::for_model(&self.model.hparams, self.n_ctx(), self.tokens.len())
+    }
+
+    /// Writes the session (tokens, next-token logits, K/V of every position) as a
+    /// payload; `w` should be buffered.
+    pub fn save_payload(&self, w: &mut impl Write) -> Result<()> {
+        if !self.has_logits {
+            return Err(EngineError::NoLogits);
+        }
+        self.payload_header().write(w)?;
+        payload::write_u32s(w, &self.tokens)?;
+        payload::write_f32s(w, &self.logits)?;
+        self.state
+            .write_rows(&self.model.hparams, self.tokens.len(), w)?;
+        w.flush().map_err(EngineError::PayloadIo)
+    }
+
+    /// Replaces the session with a payload written by [`save_payload`](Self::save_payload)
+    /// for a model of the same family and shape. The payload must fit this
+    /// session's context and must end where its header says. On error the session
+    /// is left empty, never half-loaded.
+    pub fn load_payload(&mut self, r: &mut impl Read) -> Result<()> {
+        self.reset();
+        let h = PayloadHeader::read(r, &self.model.hparams)?;
+        let n = h.n_tokens as usize;
+        if n == 0 || n > self.n_ctx() {
+            return Err(payload::bad(format!(
+                "{n} tokens do not fit this session's context of {}",
+                self.n_ctx()
+            )));
+        }
+        self.tokens.resize(n, 0);
+        let loaded = payload::read_u32s(r, &mut self.tokens, "tokens")
+            .and_then(|()| payload::read_f32s(r, &mut self.logits, "logits"))
+            .and_then(|()| self.state.read_rows(&self.model.hparams, n, r))
+            .and_then(|()| payload::expect_end(r));
+        let n_vocab = self.model.hparams.n_vocab;
+        let bad_token = self
+            .tokens
+            .iter()
+            .find(|&&t| t as usize >= n_vocab)
+            .copied();
+        match (loaded, bad_token) {
+            (Ok(()), None) => {
+                self.has_logits = true;
+                Ok(())
+            }
+            (Err(e), _) => {
+                self.reset();
+                Err(e)
+            }
+            (Ok(()), Some(id)) => {
+                self.reset();
+                Err(EngineError::TokenOutOfRange { id, n_vocab })
+            }
+        }
+    }
+
+    /// An in-memory copy of the whole state, for [`restore`](Self::restore).
+    pub fn snapshot(&self) -> Result<Snapshot> {
+        let mut bytes = Vec::with_capacity(self.payload_bytes() as usize);
+        self.save_payload(&mut bytes)?;
+        Ok(Snapshot { bytes })
+    }
+
+    /// Returns to the state of `snap` (taken from a session of the same model).
+    pub fn restore(&mut self, snap: &Snapshot) -> Result<()> {
+        self.load_payload(&mut snap.bytes.as_slice())
+    }
+}
+
+/// A session's state held in memory (the payload bytes).
+#[derive(Clone)]
+pub struct Snapshot {
+    bytes: Vec<u8>,
+}
+
+impl Snapshot {
+    pub fn len_bytes(&self) -> usize {
+        self.bytes.len()
     }
 }

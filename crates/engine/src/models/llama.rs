@@ -15,6 +15,7 @@ use ds4_kernels::pool::ThreadPool;
 use crate::error::Result;
 use crate::model::{Binder, HParams, Model, TensorRef};
 use crate::ops::{attention, project, rms_norm, swiglu, Activations, Precision, Rope};
+use crate::payload;
 
 pub(crate) struct LayerWeights {
     attn_norm: Vec<f32>,
@@ -94,6 +95,59 @@ impl LlamaState {
 
     fn layer_stride(&self, hp: &HParams) -> usize {
         hp.n_embd_kv() * self.n_ctx
+    }
+
+    /// The first `n_tokens` rows of every (layer, K|V, kv head), in payload order.
+    fn rows(
+        &self,
+        hp: &HParams,
+        n_tokens: usize,
+    ) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+        let (head_stride, rows) = (self.n_ctx * hp.head_dim, n_tokens * hp.head_dim);
+        let heads = hp.n_head_kv;
+        (0..hp.n_layer).flat_map(move |il| {
+            (0..2 * heads).map(move |kh| {
+                let start = (il * heads + kh % heads) * head_stride;
+                start..start + rows
+            })
+        })
+    }
+
+    /// Writes the K/V rows of positions `0..n_tokens` in logical order.
+    pub fn write_rows(
+        &self,
+        hp: &HParams,
+        n_tokens: usize,
+        w: &mut impl std::io::Write,
+    ) -> Result<()> {
+        for (i, r) in self.rows(hp, n_tokens).enumerate() {
+            let cache = if (i / hp.n_head_kv) % 2 == 0 {
+                &self.k
+            } else {
+                &self.v
+            };
+            payload::write_f32s(w, &cache[r])?;
+        }
+        Ok(())
+    }
+
+    /// Reads what [`write_rows`](Self::write_rows) wrote.
+    pub fn read_rows(
+        &mut self,
+        hp: &HParams,
+        n_tokens: usize,
+        r: &mut impl std::io::Read,
+    ) -> Result<()> {
+        let ranges: Vec<_> = self.rows(hp, n_tokens).collect();
+        for (i, range) in ranges.into_iter().enumerate() {
+            let cache = if (i / hp.n_head_kv) % 2 == 0 {
+                &mut self.k
+            } else {
+                &mut self.v
+            };
+            payload::read_f32s(r, &mut cache[range], "K/V rows")?;
+        }
+        Ok(())
     }
 }
 
