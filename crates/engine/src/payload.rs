@@ -184,7 +184,7 @@ fn read_pod<T: bytemuck::Pod + ToLe>(r: &mut impl Read, out: &mut [T], what: &st
         read_exact(r, c, what)?;
     }
     if cfg!(target_endian = "big") {
-        out.iter_mut().for_each(|x| *x = x.from_le_in_place());
+        out.iter_mut().for_each(|x| *x = x.le_to_native());
     }
     Ok(())
 }
@@ -192,14 +192,14 @@ fn read_pod<T: bytemuck::Pod + ToLe>(r: &mut impl Read, out: &mut [T], what: &st
 /// Little-endian conversion of the element types a payload holds.
 trait ToLe: Copy {
     fn to_le(self) -> [u8; 4];
-    fn from_le_in_place(self) -> Self;
+    fn le_to_native(self) -> Self;
 }
 
 impl ToLe for u32 {
     fn to_le(self) -> [u8; 4] {
         self.to_le_bytes()
     }
-    fn from_le_in_place(self) -> Self {
+    fn le_to_native(self) -> Self {
         u32::from_le(self)
     }
 }
@@ -208,7 +208,7 @@ impl ToLe for f32 {
     fn to_le(self) -> [u8; 4] {
         self.to_le_bytes()
     }
-    fn from_le_in_place(self) -> Self {
+    fn le_to_native(self) -> Self {
         f32::from_bits(u32::from_le(self.to_bits()))
     }
 }

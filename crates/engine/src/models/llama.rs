@@ -97,18 +97,24 @@ impl LlamaState {
         hp.n_embd_kv() * self.n_ctx
     }
 
-    /// The first `n_tokens` rows of every (layer, K|V, kv head), in payload order.
+    /// For every (layer, K then V, kv head) in payload order: whether it is V, and
+    /// the range of its first `n_tokens` rows.
     fn rows(
         &self,
         hp: &HParams,
         n_tokens: usize,
-    ) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
-        let (head_stride, rows) = (self.n_ctx * hp.head_dim, n_tokens * hp.head_dim);
-        let heads = hp.n_head_kv;
+    ) -> impl Iterator<Item = (bool, std::ops::Range<usize>)> {
+        let (head_stride, len, heads) = (
+            self.n_ctx * hp.head_dim,
+            n_tokens * hp.head_dim,
+            hp.n_head_kv,
+        );
         (0..hp.n_layer).flat_map(move |il| {
-            (0..2 * heads).map(move |kh| {
-                let start = (il * heads + kh % heads) * head_stride;
-                start..start + rows
+            [false, true].into_iter().flat_map(move |is_v| {
+                (0..heads).map(move |h| {
+                    let start = (il * heads + h) * head_stride;
+                    (is_v, start..start + len)
+                })
             })
         })
     }
@@ -120,13 +126,8 @@ impl LlamaState {
         n_tokens: usize,
         w: &mut impl std::io::Write,
     ) -> Result<()> {
-        for (i, r) in self.rows(hp, n_tokens).enumerate() {
-            let cache = if (i / hp.n_head_kv) % 2 == 0 {
-                &self.k
-            } else {
-                &self.v
-            };
-            payload::write_f32s(w, &cache[r])?;
+        for (is_v, r) in self.rows(hp, n_tokens) {
+            payload::write_f32s(w, if is_v { &self.v[r] } else { &self.k[r] })?;
         }
         Ok(())
     }
@@ -138,13 +139,8 @@ impl LlamaState {
         n_tokens: usize,
         r: &mut impl std::io::Read,
     ) -> Result<()> {
-        let ranges: Vec<_> = self.rows(hp, n_tokens).collect();
-        for (i, range) in ranges.into_iter().enumerate() {
-            let cache = if (i / hp.n_head_kv) % 2 == 0 {
-                &mut self.k
-            } else {
-                &mut self.v
-            };
+        for (is_v, range) in self.rows(hp, n_tokens) {
+            let cache = if is_v { &mut self.v } else { &mut self.k };
             payload::read_f32s(r, &mut cache[range], "K/V rows")?;
         }
         Ok(())
