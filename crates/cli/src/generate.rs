@@ -13,7 +13,9 @@ use ds4_engine::tokenizer::StreamDecoder;
 use ds4_engine::{Model, Precision, Sampler, SamplerConfig, Session, SessionOptions, ThreadPool};
 use serde::Serialize;
 
+use crate::persist::{KvArgs, Persist};
 use crate::{models, ModelArgs};
+use ds4_kvstore::SaveReason;
 
 #[derive(Args, Clone, Debug)]
 pub struct SamplingArgs {
@@ -92,8 +94,13 @@ pub struct ChatArgs {
     #[command(flatten)]
     pub sampling: SamplingArgs,
     /// System message (default: the model template's own, if it has one).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "system_file")]
     pub system: Option<String>,
+    /// Read the system message from a file.
+    #[arg(long, value_name = "FILE")]
+    pub system_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub kv: KvArgs,
 }
 
 struct Loaded {
@@ -107,9 +114,7 @@ fn load(a: &ModelArgs) -> Result<Loaded> {
     let t = Instant::now();
     let model =
         Arc::new(Model::load(&path).with_context(|| format!("loading {}", path.display()))?);
-    let threads = a
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = thread_count(a);
     let opts = SessionOptions {
         n_ctx: a.ctx,
         prefill_chunk: a.prefill_chunk,
@@ -144,8 +149,14 @@ fn load(a: &ModelArgs) -> Result<Loaded> {
     })
 }
 
+/// `--threads`, else every available core.
+pub fn thread_count(a: &ModelArgs) -> usize {
+    a.threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
 impl ModelArgs {
-    fn precision(&self) -> Precision {
+    pub fn precision(&self) -> Precision {
         match (self.exact, self.q8_activations) {
             (true, _) => Precision::Exact,
             (false, true) => Precision::Q8,
@@ -338,11 +349,18 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
         .chat_template()
         .and_then(ChatMl::from_template)
         .context("this model has no ChatML chat template; `ds4 chat` supports ChatML models (use `ds4 run` for raw prompts)")?;
+    let mut persist = a.kv.open()?.map(|store| Persist::new(store, &session));
     let mut sampler = Sampler::new(a.sampling.config());
-    let mut history: Vec<Message> = a
-        .system
-        .iter()
-        .map(|s| Message::new(Role::System, s.clone()))
+    let system = match (&a.system, &a.system_file) {
+        (Some(s), _) => Some(s.clone()),
+        (None, Some(f)) => {
+            Some(std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?)
+        }
+        (None, None) => None,
+    };
+    let mut history: Vec<Message> = system
+        .into_iter()
+        .map(|s| Message::new(Role::System, s))
         .collect();
     // The text the live session represents, to prefill only what a turn adds.
     let mut fed = String::new();
@@ -361,6 +379,9 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
             "" => continue,
             "/exit" | "/quit" => break,
             "/reset" => {
+                if let Some(p) = &mut persist {
+                    p.save(&session, SaveReason::Evict);
+                }
                 history.retain(|m| m.role == Role::System);
                 session.reset();
                 fed.clear();
@@ -371,24 +392,44 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
         }
         history.push(Message::new(Role::User, line));
         let full = template.render(&history, true);
-        let suffix = match full.strip_prefix(fed.as_str()) {
-            Some(s) => s.to_string(),
-            None => {
-                session.reset();
-                full.clone()
-            }
-        };
-        let ids = tok.encode(&suffix, false, true);
         let t0 = Instant::now();
-        if let Err(e) = prefill_with_bar(&mut session, &ids) {
+        let mut restored = 0;
+        let reused_live = !session.tokens().is_empty() && full.starts_with(fed.as_str());
+        if !reused_live {
+            if let Some(p) = &mut persist {
+                p.save(&session, SaveReason::Evict);
+            }
+            session.reset();
+            fed.clear();
+            if let Some(p) = &mut persist {
+                let covered = p.restore(&mut session, full.as_bytes());
+                if full.is_char_boundary(covered) {
+                    fed = full[..covered].to_string();
+                    restored = session.tokens().len();
+                } else {
+                    session.reset();
+                }
+            }
+        }
+        let restore_s = t0.elapsed().as_secs_f64();
+        let ids = tok.encode(&full[fed.len()..], false, true);
+        let t1 = Instant::now();
+        let cold = !reused_live && restored == 0;
+        let prefilled = match &mut persist {
+            Some(p) => p.prefill(&mut session, &ids, cold, &mut prefill_with_bar),
+            None => prefill_with_bar(&mut session, &ids),
+        };
+        if let Err(e) = prefilled {
             history.pop();
-            eprintln!("error: {e}; /reset starts a new conversation");
+            session.reset();
+            fed.clear();
+            eprintln!("error: {e}; the conversation was reset");
             continue;
         }
-        let prefill_s = t0.elapsed().as_secs_f64();
+        let prefill_s = t1.elapsed().as_secs_f64();
         fed = full;
 
-        let t1 = Instant::now();
+        let t2 = Instant::now();
         let mut reply = Vec::new();
         let mut stream = StreamDecoder::default();
         let mut n_gen = 0;
@@ -409,6 +450,9 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
                 eprintln!("\n(stopped: {e})");
                 break;
             }
+            if let Some(p) = &mut persist {
+                p.after_decode(&session);
+            }
         }
         writeln!(out, "{}", stream.finish())?;
         let reply = String::from_utf8_lossy(&reply).into_owned();
@@ -417,14 +461,22 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
             fed.push_str(&String::from_utf8_lossy(tok.token_piece(end, true)));
         }
         history.push(Message::new(Role::Assistant, reply));
+        let source = match (reused_live, restored) {
+            (true, _) => "live session".to_string(),
+            (false, 0) => "nothing reused".to_string(),
+            (false, n) => format!("restored {n} tokens from disk in {:.0} ms", restore_s * 1e3),
+        };
         eprintln!(
-            "[{} prompt tokens in {:.2} s, {} generated at {:.1} t/s, {} in context]",
+            "[{source}; prefilled {} tokens in {:.2} s; {} generated at {:.1} t/s; {} in context]",
             ids.len(),
             prefill_s,
             n_gen,
-            n_gen as f64 / t1.elapsed().as_secs_f64().max(1e-9),
+            n_gen as f64 / t2.elapsed().as_secs_f64().max(1e-9),
             session.tokens().len()
         );
+    }
+    if let Some(p) = &mut persist {
+        p.save(&session, SaveReason::Shutdown);
     }
     Ok(())
 }

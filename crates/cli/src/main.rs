@@ -1,8 +1,11 @@
 //! `ds4`: the command-line front end. Parses flags and wires the library crates
 //! together; the logic lives in the libraries.
 
+mod bench;
 mod generate;
+mod kv;
 mod models;
+mod persist;
 
 use std::path::PathBuf;
 
@@ -32,6 +35,10 @@ enum Command {
     /// Fetch and list models.
     #[command(subcommand)]
     Model(ModelCommand),
+    /// Inspect and maintain the disk checkpoint store.
+    Kv(kv::KvCommand),
+    /// Benchmarks (--prefix-reuse: cold prefill vs checkpoint write and restore).
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Subcommand)]
@@ -83,5 +90,7 @@ fn main() -> Result<()> {
             models::pull(m).map(|_: PathBuf| ())
         }
         Command::Model(ModelCommand::Ls) => models::list(),
+        Command::Kv(k) => kv::run(&k),
+        Command::Bench(b) => bench::run(&b),
     }
 }

@@ -257,3 +257,206 @@ fn teacher_forced_replay_of_a_golden_vector() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+fn chat_once(kv_dir: &Path, question: &str) -> Output {
+    let mut child = ds4()
+        .args([
+            "chat",
+            "--temp",
+            "0",
+            "-n",
+            "24",
+            "--kv-cache-min-tokens",
+            "16",
+        ])
+        .args([
+            "--system",
+            "You are a terse assistant. Answer geography questions in one short sentence.",
+        ])
+        .arg("--kv-disk-dir")
+        .arg(kv_dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let input = format!("{question}\n/exit\n");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    out
+}
+
+#[test]
+fn chat_resumes_from_disk_and_kv_tools_maintain_the_store() {
+    let dir = temp_dir("resume");
+    let kv = dir.join("kv");
+    let q = "What is the capital of France?";
+    let first = chat_once(&kv, q);
+    let err = stderr(&first);
+    assert!(
+        err.contains("nothing reused") && err.contains("reason=cold"),
+        "{err}"
+    );
+    assert!(err.contains("reason=shutdown"), "{err}");
+    let mode = |p: &Path| {
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(p).unwrap().permissions())
+            & 0o777
+    };
+    assert_eq!(mode(&kv), 0o700);
+
+    let second = chat_once(&kv, q);
+    let err2 = stderr(&second);
+    assert!(
+        err2.contains("restored") && err2.contains("tokens from disk"),
+        "{err2}"
+    );
+    assert!(err2.contains("prefilled 0 tokens"), "{err2}");
+    assert_eq!(
+        stdout(&second),
+        stdout(&first),
+        "restored session answers exactly like the cold one"
+    );
+
+    let kv_arg = ["--kv-disk-dir", kv.to_str().unwrap()];
+    let ls = stdout(&run_ok(&[&["kv", "ls"][..], &kv_arg].concat()));
+    assert!(
+        ls.contains(" cold ") && ls.contains(" shutdown ") && ls.contains("2 checkpoint(s)"),
+        "{ls}"
+    );
+    let files: Vec<PathBuf> = std::fs::read_dir(&kv)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 2);
+    for f in &files {
+        assert_eq!(mode(f), 0o600, "{}", f.display());
+    }
+    let cold_hash = ls.lines().find(|l| l.contains(" cold ")).unwrap()[..12].to_string();
+    let show = stdout(&run_ok(
+        &[&["kv", "show", &cold_hash][..], &kv_arg].concat(),
+    ));
+    assert!(
+        show.contains("reason      cold") && show.contains(q) && show.contains("hits        1"),
+        "{show}"
+    );
+    assert!(stdout(&run_ok(&[&["kv", "verify"][..], &kv_arg].concat()))
+        .contains("2 checked, 2 ok, 0 bad"));
+
+    // Damage the cold checkpoint's payload: it is never loaded, the chat still works.
+    let cold_file = files
+        .iter()
+        .find(|f| f.to_str().unwrap().contains(&cold_hash))
+        .unwrap();
+    let mut bytes = std::fs::read(cold_file).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(cold_file, &bytes).unwrap();
+    let bad = ds4()
+        .args([&["kv", "verify"][..], &kv_arg].concat())
+        .output()
+        .unwrap();
+    assert!(
+        !bad.status.success() && stdout(&bad).contains("BAD"),
+        "{}",
+        stdout(&bad)
+    );
+    let third = chat_once(&kv, q);
+    let err3 = stderr(&third);
+    assert!(
+        err3.contains("kv cache load failed") && err3.contains("nothing reused"),
+        "{err3}"
+    );
+    assert_eq!(stdout(&third), stdout(&first));
+    // The cold save of that run replaced the damaged file with a good one.
+    assert!(stdout(&run_ok(&[&["kv", "verify"][..], &kv_arg].concat()))
+        .contains("2 checked, 2 ok, 0 bad"));
+    std::fs::write(cold_file, &bytes).unwrap();
+    let fixed = stdout(&run_ok(&[&["kv", "verify", "--fix"][..], &kv_arg].concat()));
+    assert!(
+        fixed.contains("removed") && fixed.contains("1 bad"),
+        "{fixed}"
+    );
+
+    let ls = stdout(&run_ok(&[&["kv", "ls"][..], &kv_arg].concat()));
+    let any_hash = ls.lines().nth(1).unwrap()[..12].to_string();
+    run_ok(&[&["kv", "rm", &any_hash][..], &kv_arg].concat());
+    let cleared = stdout(&run_ok(&[&["kv", "clear"][..], &kv_arg].concat()));
+    assert!(cleared.starts_with("removed"), "{cleared}");
+    assert!(stdout(&run_ok(&[&["kv", "ls"][..], &kv_arg].concat())).contains("0 checkpoint(s)"));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bench_prefix_reuse_reports_the_ratio() {
+    let out = stdout(&run_ok(&[
+        "bench",
+        "--prefix-reuse",
+        "--prompt-tokens",
+        "300",
+        "--threads",
+        "1",
+    ]));
+    for line in [
+        "prompt tokens    300",
+        "cold prefill",
+        "checkpoint write",
+        "restore / cold",
+        "bitwise identical",
+    ] {
+        assert!(out.contains(line), "{line:?} missing:\n{out}");
+    }
+}
+
+#[test]
+fn chat_saves_continued_checkpoints_at_the_policy_step() {
+    let dir = temp_dir("continued");
+    let mut child = ds4()
+        .args([
+            "chat",
+            "--temp",
+            "0",
+            "-n",
+            "24",
+            "--kv-cache-min-tokens",
+            "16",
+        ])
+        .args([
+            "--kv-cache-continued-interval-tokens",
+            "40",
+            "--kv-cache-boundary-align-tokens",
+            "16",
+        ])
+        .args(["--system", "You are a terse assistant.", "--kv-disk-dir"])
+        .arg(dir.join("kv"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let input = "What is the capital of France?\nAnd of Italy?\nAnd of Spain?\n/exit\n";
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    // The step is 40 rounded up to the alignment: 48, then 96 (cut during prefill
+    // or reached while decoding).
+    for tokens in ["tokens=48 reason=continued", "tokens=96 reason=continued"] {
+        assert!(err.contains(tokens), "{tokens:?} missing:\n{err}");
+    }
+    assert!(
+        err.contains("reason=cold") && err.contains("reason=shutdown"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -1,0 +1,274 @@
+//! Sessions and the disk checkpoint store: restore the longest saved prefix of a
+//! rendered prompt, prefill the rest while saving at the policy's boundaries (cold
+//! and continued saves cut the prefill where a save is due; the live session is
+//! never rewound to make one), and save on eviction and shutdown.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use ds4_engine::{EngineError, Session};
+use ds4_kvstore::{
+    ModelId, Payload, SaveOutcome, SavePolicy, SaveReason, SaveRequest, Store, StoreConfig,
+};
+
+/// Disk checkpoint flags (names as in the original system).
+#[derive(Args, Clone, Debug)]
+pub struct KvArgs {
+    /// Directory of the disk checkpoint store (created 0700).
+    #[arg(long, value_name = "DIR")]
+    pub kv_disk_dir: Option<PathBuf>,
+    /// Byte budget of the store in MiB.
+    #[arg(long, default_value_t = 4096)]
+    pub kv_disk_space_mb: u64,
+    /// Never save or load checkpoints shorter than this.
+    #[arg(long, default_value_t = 512)]
+    pub kv_cache_min_tokens: usize,
+    /// Cold-save first prompts up to this many tokens (0 disables cold saves).
+    #[arg(long, default_value_t = 30000)]
+    pub kv_cache_cold_max_tokens: usize,
+    /// Continued saves every this many tokens, rounded up to the alignment (0 disables).
+    #[arg(long, default_value_t = 10000)]
+    pub kv_cache_continued_interval_tokens: usize,
+    /// Tail tokens dropped before a cold save boundary.
+    #[arg(long, default_value_t = 32)]
+    pub kv_cache_boundary_trim_tokens: usize,
+    /// Cold saves and the continued step align down to this many tokens (0: none).
+    #[arg(long, default_value_t = 2048)]
+    pub kv_cache_boundary_align_tokens: usize,
+    /// Refuse checkpoints written by another quantization of the same model.
+    #[arg(long)]
+    pub kv_cache_reject_different_quant: bool,
+}
+
+impl KvArgs {
+    pub fn config(&self) -> Result<StoreConfig> {
+        let policy = SavePolicy {
+            min_tokens: self.kv_cache_min_tokens,
+            cold_max_tokens: self.kv_cache_cold_max_tokens,
+            trim_tokens: self.kv_cache_boundary_trim_tokens,
+            align_tokens: self.kv_cache_boundary_align_tokens,
+            continued_interval: self.kv_cache_continued_interval_tokens,
+        };
+        anyhow::ensure!(
+            policy.cold_max_tokens == 0 || policy.cold_max_tokens >= policy.min_tokens,
+            "--kv-cache-cold-max-tokens must be 0 or at least --kv-cache-min-tokens"
+        );
+        Ok(StoreConfig {
+            budget_bytes: self.kv_disk_space_mb.saturating_mul(1 << 20),
+            policy,
+            reject_different_quant: self.kv_cache_reject_different_quant,
+        })
+    }
+
+    /// Opens the store when `--kv-disk-dir` is given.
+    pub fn open(&self) -> Result<Option<Store>> {
+        let Some(dir) = &self.kv_disk_dir else {
+            return Ok(None);
+        };
+        let config = self.config()?;
+        let store = Store::open(dir, config.clone())
+            .with_context(|| format!("opening {}", dir.display()))?;
+        let p = config.policy;
+        eprintln!(
+            "KV disk cache {} (budget={} MiB, cross-quant={}, min={}, cold_max={}, continued={}, trim={}, align={})",
+            dir.display(),
+            self.kv_disk_space_mb,
+            if config.reject_different_quant { "reject" } else { "accept" },
+            p.min_tokens,
+            p.cold_max_tokens,
+            p.continued_step(),
+            p.trim_tokens,
+            p.align_tokens
+        );
+        report_notices(&store);
+        Ok(Some(store))
+    }
+}
+
+fn report_notices(store: &Store) {
+    for n in store.drain_notices() {
+        eprintln!("{n}");
+    }
+}
+
+/// How a caller runs one stretch of prefill (with or without a progress bar).
+pub type PrefillFn<'a> = dyn FnMut(&mut Session, &[u32]) -> Result<(), EngineError> + 'a;
+
+/// A live session's link to the store.
+pub struct Persist {
+    pub store: Store,
+    model: ModelId,
+    /// Last continued-save frontier of the live session.
+    continued_frontier: usize,
+}
+
+impl Persist {
+    pub fn new(store: Store, session: &Session) -> Self {
+        let fp = session.model().fingerprint;
+        Persist {
+            store,
+            model: ModelId {
+                model_fp: fp.model,
+                quant_fp: fp.quant,
+            },
+            continued_frontier: 0,
+        }
+    }
+
+    fn policy(&self) -> SavePolicy {
+        *self.store.policy()
+    }
+
+    /// Loads the longest checkpoint that is a prefix of `prompt` into the (empty)
+    /// session and returns the number of prompt bytes it covers (0 on a miss or on
+    /// any failure, which is reported and leaves the session empty).
+    pub fn restore(&mut self, session: &mut Session, prompt: &[u8]) -> usize {
+        self.continued_frontier = 0;
+        let t = Instant::now();
+        let cand = match self
+            .store
+            .lookup(prompt, &self.model, session.n_ctx() as u32)
+        {
+            Ok(Some(c)) if c.header.tokens as usize >= self.policy().min_tokens => c,
+            Ok(_) => return 0,
+            Err(e) => {
+                eprintln!("kv cache lookup failed: {e}");
+                return 0;
+            }
+        };
+        let loaded = match self.store.load(&cand, prompt) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("kv cache load failed: {e}");
+                report_notices(&self.store);
+                return 0;
+            }
+        };
+        if let Err(e) = session.load_payload(&mut loaded.payload.as_slice()) {
+            eprintln!("kv cache load failed file={}: {e}", cand.path.display());
+            return 0;
+        }
+        if session.tokens().len() != loaded.header.tokens as usize {
+            eprintln!(
+                "kv cache load failed file={}: header says {} tokens, payload holds {}",
+                cand.path.display(),
+                loaded.header.tokens,
+                session.tokens().len()
+            );
+            session.reset();
+            return 0;
+        }
+        self.continued_frontier = session.tokens().len();
+        eprintln!(
+            "kv cache hit: restored {} tokens ({} bytes of text) in {:.0} ms from {}",
+            session.tokens().len(),
+            loaded.text.len(),
+            t.elapsed().as_secs_f64() * 1e3,
+            cand.path.display()
+        );
+        loaded.text.len()
+    }
+
+    /// Prefills `ids` onto the session, stopping where a cold save (when
+    /// `cold_prompt`, i.e. nothing was reused) or a continued save is due and saving
+    /// there. Save failures are reported and skipped; prefill errors are returned.
+    pub fn prefill(
+        &mut self,
+        session: &mut Session,
+        ids: &[u32],
+        cold_prompt: bool,
+        prefill: &mut PrefillFn<'_>,
+    ) -> Result<(), EngineError> {
+        let policy = self.policy();
+        let start = session.tokens().len();
+        let mut cuts: Vec<(usize, SaveReason)> = Vec::new();
+        if cold_prompt && start == 0 {
+            if let Some(c) = policy.cold_save_len(ids.len()) {
+                cuts.push((c, SaveReason::Cold));
+            }
+        }
+        let mut f = self.continued_frontier;
+        while let Some(next) = policy.next_continued_frontier(f) {
+            if next > start + ids.len() {
+                break;
+            }
+            if next > start && !cuts.iter().any(|&(c, _)| c == next) {
+                cuts.push((next, SaveReason::Continued));
+            }
+            f = next;
+        }
+        cuts.sort_by_key(|&(at, _)| at);
+        for (at, reason) in cuts {
+            let done = session.tokens().len() - start;
+            prefill(session, &ids[done..at - start])?;
+            self.save(session, reason);
+            if reason == SaveReason::Continued {
+                self.continued_frontier = at;
+            }
+        }
+        let done = session.tokens().len() - start;
+        prefill(session, &ids[done..])
+    }
+
+    /// Called after each decode step: a continued save when the live session has
+    /// just reached a continued-save frontier.
+    pub fn after_decode(&mut self, session: &Session) {
+        let len = session.tokens().len();
+        if self
+            .policy()
+            .continued_frontier(self.continued_frontier, len)
+            == Some(len)
+        {
+            self.save(session, SaveReason::Continued);
+            self.continued_frontier = len;
+        }
+    }
+
+    /// Saves the whole live session under `reason` if it is long enough. Failures
+    /// (full disk, permissions) are reported and otherwise ignored.
+    pub fn save(&mut self, session: &Session, reason: SaveReason) {
+        let n = session.tokens().len();
+        if n < self.policy().min_tokens.max(1) {
+            return;
+        }
+        let t = Instant::now();
+        let text = session.model().tokenizer.decode(session.tokens(), true);
+        let mut write = |w: &mut dyn std::io::Write| {
+            let mut w = std::io::BufWriter::with_capacity(1 << 20, w);
+            session.save_payload(&mut w).map_err(std::io::Error::other)
+        };
+        let req = SaveRequest {
+            text: &text,
+            payload: Payload::Stream {
+                estimated_bytes: session.payload_bytes(),
+                write: &mut write,
+            },
+            reason,
+            tokens: n as u32,
+            n_ctx: session.n_ctx() as u32,
+            model: self.model,
+            ext_flags: 0,
+            sections: &[],
+        };
+        match self.store.save(req) {
+            Ok(SaveOutcome::Saved {
+                file_bytes, path, ..
+            }) => eprintln!(
+                "kv cache stored tokens={n} reason={} size={:.1} MiB save={:.0} ms file={}",
+                reason.as_str(),
+                file_bytes as f64 / (1 << 20) as f64,
+                t.elapsed().as_secs_f64() * 1e3,
+                path.display()
+            ),
+            Ok(SaveOutcome::Kept { .. }) => {}
+            Ok(SaveOutcome::Skipped(why)) => eprintln!("kv cache save skipped tokens={n}: {why:?}"),
+            Err(e) => eprintln!(
+                "kv cache save failed tokens={n} reason={}: {e}",
+                reason.as_str()
+            ),
+        }
+        report_notices(&self.store);
+    }
+}
