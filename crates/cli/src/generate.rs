@@ -13,9 +13,10 @@ use ds4_engine::tokenizer::StreamDecoder;
 use ds4_engine::{Model, Precision, Sampler, SamplerConfig, Session, SessionOptions, ThreadPool};
 use serde::Serialize;
 
-use crate::persist::{KvArgs, Persist};
+use crate::kvargs::KvArgs;
 use crate::{models, ModelArgs};
 use ds4_kvstore::SaveReason;
+use ds4_server::persist::Persist;
 
 #[derive(Args, Clone, Debug)]
 pub struct SamplingArgs {
@@ -103,13 +104,13 @@ pub struct ChatArgs {
     pub kv: KvArgs,
 }
 
-struct Loaded {
-    model: Arc<Model>,
-    session: Session,
-    path: PathBuf,
+pub struct Loaded {
+    pub model: Arc<Model>,
+    pub session: Session,
+    pub path: PathBuf,
 }
 
-fn load(a: &ModelArgs) -> Result<Loaded> {
+pub fn load(a: &ModelArgs) -> Result<Loaded> {
     let path = models::resolve(a.model.as_deref())?;
     let t = Instant::now();
     let model =
@@ -349,7 +350,7 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
         .chat_template()
         .and_then(ChatMl::from_template)
         .context("this model has no ChatML chat template; `ds4 chat` supports ChatML models (use `ds4 run` for raw prompts)")?;
-    let mut persist = a.kv.open()?.map(|store| Persist::new(store, &session));
+    let mut persist = a.kv.open(None)?.map(|store| Persist::new(store, &session));
     let mut sampler = Sampler::new(a.sampling.config());
     let system = match (&a.system, &a.system_file) {
         (Some(s), _) => Some(s.clone()),

@@ -4,8 +4,9 @@
 mod bench;
 mod generate;
 mod kv;
+mod kvargs;
 mod models;
-mod persist;
+mod serve;
 
 use std::path::PathBuf;
 
@@ -28,6 +29,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the OpenAI-compatible HTTP API (chat/completions, completions, models).
+    Serve(serve::ServeArgs),
     /// Complete a raw prompt (no chat template), streaming the tokens.
     Run(generate::RunArgs),
     /// Chat interactively with the model's chat template (/exit, /reset).
@@ -80,6 +83,7 @@ pub struct ModelArgs {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
+        Command::Serve(a) => serve::run(&a),
         Command::Run(a) => generate::run(&a),
         Command::Chat(a) => generate::chat(&a),
         Command::Model(ModelCommand::Pull { name }) => {

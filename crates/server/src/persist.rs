@@ -3,91 +3,13 @@
 //! and continued saves cut the prefill where a save is due; the live session is
 //! never rewound to make one), and save on eviction and shutdown.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
-use clap::Args;
 use ds4_engine::{EngineError, Session};
-use ds4_kvstore::{
-    ModelId, Payload, SaveOutcome, SavePolicy, SaveReason, SaveRequest, Store, StoreConfig,
-};
+use ds4_kvstore::{ModelId, Payload, SaveOutcome, SavePolicy, SaveReason, SaveRequest, Store};
 
-/// Disk checkpoint flags (names as in the original system).
-#[derive(Args, Clone, Debug)]
-pub struct KvArgs {
-    /// Directory of the disk checkpoint store (created 0700).
-    #[arg(long, value_name = "DIR")]
-    pub kv_disk_dir: Option<PathBuf>,
-    /// Byte budget of the store in MiB.
-    #[arg(long, default_value_t = 4096)]
-    pub kv_disk_space_mb: u64,
-    /// Never save or load checkpoints shorter than this.
-    #[arg(long, default_value_t = 512)]
-    pub kv_cache_min_tokens: usize,
-    /// Cold-save first prompts up to this many tokens (0 disables cold saves).
-    #[arg(long, default_value_t = 30000)]
-    pub kv_cache_cold_max_tokens: usize,
-    /// Continued saves every this many tokens, rounded up to the alignment (0 disables).
-    #[arg(long, default_value_t = 10000)]
-    pub kv_cache_continued_interval_tokens: usize,
-    /// Tail tokens dropped before a cold save boundary.
-    #[arg(long, default_value_t = 32)]
-    pub kv_cache_boundary_trim_tokens: usize,
-    /// Cold saves and the continued step align down to this many tokens (0: none).
-    #[arg(long, default_value_t = 2048)]
-    pub kv_cache_boundary_align_tokens: usize,
-    /// Refuse checkpoints written by another quantization of the same model.
-    #[arg(long)]
-    pub kv_cache_reject_different_quant: bool,
-}
-
-impl KvArgs {
-    pub fn config(&self) -> Result<StoreConfig> {
-        let policy = SavePolicy {
-            min_tokens: self.kv_cache_min_tokens,
-            cold_max_tokens: self.kv_cache_cold_max_tokens,
-            trim_tokens: self.kv_cache_boundary_trim_tokens,
-            align_tokens: self.kv_cache_boundary_align_tokens,
-            continued_interval: self.kv_cache_continued_interval_tokens,
-        };
-        anyhow::ensure!(
-            policy.cold_max_tokens == 0 || policy.cold_max_tokens >= policy.min_tokens,
-            "--kv-cache-cold-max-tokens must be 0 or at least --kv-cache-min-tokens"
-        );
-        Ok(StoreConfig {
-            budget_bytes: self.kv_disk_space_mb.saturating_mul(1 << 20),
-            policy,
-            reject_different_quant: self.kv_cache_reject_different_quant,
-        })
-    }
-
-    /// Opens the store when `--kv-disk-dir` is given.
-    pub fn open(&self) -> Result<Option<Store>> {
-        let Some(dir) = &self.kv_disk_dir else {
-            return Ok(None);
-        };
-        let config = self.config()?;
-        let store = Store::open(dir, config.clone())
-            .with_context(|| format!("opening {}", dir.display()))?;
-        let p = config.policy;
-        eprintln!(
-            "KV disk cache {} (budget={} MiB, cross-quant={}, min={}, cold_max={}, continued={}, trim={}, align={})",
-            dir.display(),
-            self.kv_disk_space_mb,
-            if config.reject_different_quant { "reject" } else { "accept" },
-            p.min_tokens,
-            p.cold_max_tokens,
-            p.continued_step(),
-            p.trim_tokens,
-            p.align_tokens
-        );
-        report_notices(&store);
-        Ok(Some(store))
-    }
-}
-
-fn report_notices(store: &Store) {
+/// Prints and clears the store's pending notices (one line each, on stderr).
+pub fn report_notices(store: &Store) {
     for n in store.drain_notices() {
         eprintln!("{n}");
     }
@@ -102,6 +24,9 @@ pub struct Persist {
     model: ModelId,
     /// Last continued-save frontier of the live session.
     continued_frontier: usize,
+    /// Tokens written by successful saves so far (per-request differences feed
+    /// Anthropic's `cache_creation_input_tokens`).
+    saved_tokens: usize,
 }
 
 impl Persist {
@@ -114,10 +39,21 @@ impl Persist {
                 quant_fp: fp.quant,
             },
             continued_frontier: 0,
+            saved_tokens: 0,
         }
     }
 
-    fn policy(&self) -> SavePolicy {
+    /// Checkpoints shorter than this are neither saved nor loaded.
+    pub fn min_tokens(&self) -> usize {
+        self.policy().min_tokens.max(1)
+    }
+
+    /// Tokens written by successful saves since this was created.
+    pub fn saved_tokens(&self) -> usize {
+        self.saved_tokens
+    }
+
+    pub fn policy(&self) -> SavePolicy {
         *self.store.policy()
     }
 
@@ -255,13 +191,16 @@ impl Persist {
         match self.store.save(req) {
             Ok(SaveOutcome::Saved {
                 file_bytes, path, ..
-            }) => eprintln!(
-                "kv cache stored tokens={n} reason={} size={:.1} MiB save={:.0} ms file={}",
-                reason.as_str(),
-                file_bytes as f64 / (1 << 20) as f64,
-                t.elapsed().as_secs_f64() * 1e3,
-                path.display()
-            ),
+            }) => {
+                self.saved_tokens += n;
+                eprintln!(
+                    "kv cache stored tokens={n} reason={} size={:.1} MiB save={:.0} ms file={}",
+                    reason.as_str(),
+                    file_bytes as f64 / (1 << 20) as f64,
+                    t.elapsed().as_secs_f64() * 1e3,
+                    path.display()
+                )
+            }
             Ok(SaveOutcome::Kept { .. }) => {}
             Ok(SaveOutcome::Skipped(why)) => eprintln!("kv cache save skipped tokens={n}: {why:?}"),
             Err(e) => eprintln!(

@@ -1,0 +1,108 @@
+//! `ds4 serve`: the HTTP server on the default model, with the disk checkpoint store
+//! on by default.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use ds4_chat::ChatMl;
+use ds4_server::persist::Persist;
+use ds4_server::{router, ServerConfig, Worker};
+
+use crate::generate::{load, Loaded};
+use crate::kvargs::KvArgs;
+use crate::ModelArgs;
+
+#[derive(Args, Clone, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub kv: KvArgs,
+    /// Address to listen on (loopback unless you mean otherwise).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require this key as `Authorization: Bearer KEY` or `x-api-key: KEY`.
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Send CORS headers (any origin).
+    #[arg(long)]
+    pub cors: bool,
+    /// Requests waiting for the engine before new ones get 503.
+    #[arg(long, default_value_t = 16)]
+    pub queue_max: usize,
+    /// Largest accepted request body.
+    #[arg(long, default_value_t = 64 << 20)]
+    pub max_body_bytes: usize,
+    /// Tokens generated when a request sets no limit.
+    #[arg(short = 'n', long = "tokens", default_value_t = 2048)]
+    pub default_max_tokens: usize,
+}
+
+pub fn run(a: &ServeArgs) -> Result<()> {
+    let Loaded {
+        model,
+        session,
+        path,
+    } = load(&a.model)?;
+    let store = a.kv.open(Some(crate::models::ds4_home()?.join("kv")))?;
+    let persist = store.map(|s| Persist::new(s, &session));
+    let template = model.chat_template().and_then(ChatMl::from_template);
+    let worker = Worker::start(session, persist, a.queue_max);
+    let cfg = ServerConfig {
+        api_key: a.api_key.clone(),
+        cors: a.cors,
+        max_body_bytes: a.max_body_bytes,
+        default_max_tokens: a.default_max_tokens,
+        model_name: path
+            .file_stem()
+            .map_or_else(|| "ds4".into(), |s| s.to_string_lossy().into_owned()),
+    };
+    let app = router(cfg, worker.handle.clone(), template);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let handle = worker.handle.clone();
+    rt.block_on(async move {
+        let addr = format!("{}:{}", a.host, a.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("listening on {addr}"))?;
+        eprintln!("ds4 serve: listening on http://{}", listener.local_addr()?);
+        let shutdown = async move {
+            wait_for_signal().await;
+            eprintln!("ds4 serve: shutting down (finishing in-flight requests, then saving)");
+            handle.begin_shutdown();
+        };
+        ds4_server::serve(listener, app, shutdown)
+            .await
+            .context("serving")
+    })?;
+    drop(rt);
+    worker.join();
+    eprintln!("ds4 serve: stopped");
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}

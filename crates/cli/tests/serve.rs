@@ -1,0 +1,544 @@
+//! `ds4 serve` over real loopback HTTP: OpenAI chat and completions, streaming,
+//! prefix reuse and its usage numbers, errors, API key, client disconnects, and a
+//! restart that resumes from the disk checkpoint.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+struct Server {
+    child: Child,
+    port: u16,
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ds4"))
+            .args(["serve", "--port", "0", "--threads", "1"])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawning ds4 serve");
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let mut log = String::new();
+        let port = loop {
+            let line = lines.next().expect("ds4 serve exited early").unwrap();
+            log.push_str(&line);
+            log.push('\n');
+            if let Some(addr) = line.strip_prefix("ds4 serve: listening on http://") {
+                break addr.rsplit(':').next().unwrap().parse().unwrap();
+            }
+        };
+        let log = std::sync::Arc::new(std::sync::Mutex::new(log));
+        let sink = std::sync::Arc::clone(&log);
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                let mut l = sink.lock().unwrap();
+                l.push_str(&line);
+                l.push('\n');
+            }
+        });
+        Server { child, port, log }
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// SIGTERM, then wait for a clean exit.
+    fn stop(mut self) -> String {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "ds4 serve exit: {status}\n{}", self.log());
+        std::thread::sleep(Duration::from_millis(100));
+        self.log()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Reply {
+    status: u16,
+    headers: String,
+    body: String,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+
+    fn header(&self, name: &str) -> Option<String> {
+        self.headers.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+        })
+    }
+}
+
+fn request(port: u16, method: &str, path: &str, body: &[u8], extra: &[(&str, &str)]) -> Reply {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in extra {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (headers, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let status = headers.split(' ').nth(1).unwrap().parse().unwrap();
+    let body = if headers
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    Reply {
+        status,
+        headers: headers.to_string(),
+        body,
+    }
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+fn post(port: u16, path: &str, body: &Value) -> Reply {
+    request(port, "POST", path, body.to_string().as_bytes(), &[])
+}
+
+fn chat_body(messages: Value, extra: Value) -> Value {
+    let mut b = json!({ "messages": messages, "temperature": 0, "max_tokens": 24 });
+    for (k, v) in extra.as_object().unwrap() {
+        b[k] = v.clone();
+    }
+    b
+}
+
+/// The data payloads of an SSE body.
+fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ds4-serve-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn chat_completions_stream_and_reuse() {
+    let srv = Server::start(&["--no-kv-disk"]);
+    let q = json!([{ "role": "user", "content": "What is the capital of France?" }]);
+    let r = post(
+        srv.port,
+        "/v1/chat/completions",
+        &chat_body(q.clone(), json!({})),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let answer = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(answer.contains("Paris"), "{answer}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], "SmolLM2-135M-Instruct.Q4_1");
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(r
+        .header("x-ds4-cache")
+        .unwrap()
+        .starts_with("none; reused=0"));
+
+    // The same request again reuses the whole prompt from the live session.
+    let r = post(
+        srv.port,
+        "/v1/chat/completions",
+        &chat_body(q.clone(), json!({"model": "anything"})),
+    );
+    let v = r.json();
+    assert_eq!(v["model"], "anything");
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"],
+        prompt_tokens
+    );
+    assert_eq!(v["choices"][0]["message"]["content"], answer.as_str());
+    assert!(r.header("x-ds4-cache").unwrap().starts_with("memory-token"));
+
+    // Streaming gives the same text, chunk by chunk, with usage at the end.
+    let r = post(
+        srv.port,
+        "/v1/chat/completions",
+        &chat_body(
+            q.clone(),
+            json!({"stream": true, "stream_options": {"include_usage": true}}),
+        ),
+    );
+    assert_eq!(r.status, 200);
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let data = sse_data(&r.body);
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, answer);
+    let fin = &chunks[chunks.len() - 2];
+    assert_eq!(fin["choices"][0]["finish_reason"], "stop");
+    let usage = &chunks[chunks.len() - 1];
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(
+        usage["usage"]["prompt_tokens_details"]["cached_tokens"],
+        prompt_tokens
+    );
+
+    // The next turn extends the conversation: everything before it is reused.
+    let turn2 = json!([
+        { "role": "user", "content": "What is the capital of France?" },
+        { "role": "assistant", "content": answer },
+        { "role": "user", "content": "And of Italy?" }
+    ]);
+    let v = post(
+        srv.port,
+        "/v1/chat/completions",
+        &chat_body(turn2, json!({})),
+    )
+    .json();
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached > prompt_tokens,
+        "cached {cached} of {}",
+        v["usage"]["prompt_tokens"]
+    );
+
+    // Legacy completions with a raw prompt.
+    let v = post(
+        srv.port,
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}),
+    )
+    .json();
+    assert_eq!(v["object"], "text_completion");
+    assert!(
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with(" Paris"),
+        "{v}"
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+
+    // Stop sequences end the text before the stop string.
+    let v = post(srv.port, "/v1/completions", &json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stop": "."})).json();
+    assert_eq!(v["choices"][0]["text"], " Paris");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    let models = request(srv.port, "GET", "/v1/models", b"", &[]).json();
+    assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1");
+    assert_eq!(
+        request(srv.port, "GET", "/health", b"", &[]).json()["status"],
+        "ok"
+    );
+}
+
+#[test]
+fn bad_requests_get_precise_errors_and_the_server_keeps_serving() {
+    let srv = Server::start(&["--no-kv-disk", "--ctx", "64", "--max-body-bytes", "4096"]);
+    let p = srv.port;
+    let cases: Vec<(Reply, u16, &str)> = vec![
+        (
+            request(p, "POST", "/v1/chat/completions", b"{not json", &[]),
+            400,
+            "invalid JSON request",
+        ),
+        (
+            post(p, "/v1/chat/completions", &json!({"messages": "hi"})),
+            400,
+            "invalid type",
+        ),
+        (
+            post(p, "/v1/chat/completions", &json!({})),
+            400,
+            "missing `messages`",
+        ),
+        (
+            post(
+                p,
+                "/v1/chat/completions",
+                &json!({"messages": [{"role": "wizard", "content": "x"}]}),
+            ),
+            400,
+            "unknown role",
+        ),
+        (
+            post(
+                p,
+                "/v1/chat/completions",
+                &json!({"messages": [{"content": "x"}], "n": 3}),
+            ),
+            400,
+            "n = 1",
+        ),
+        (
+            post(
+                p,
+                "/v1/chat/completions",
+                &json!({"messages": [{"content": "x"}], "max_tokens": -1}),
+            ),
+            400,
+            "invalid value",
+        ),
+        (
+            post(
+                p,
+                "/v1/completions",
+                &json!({"prompt": "word ".repeat(200)}),
+            ),
+            400,
+            "maximum context length is 64",
+        ),
+        (
+            request(p, "POST", "/v1/completions", &vec![b' '; 5000], &[]),
+            413,
+            "--max-body-bytes",
+        ),
+        (
+            request(p, "GET", "/v1/nothing", b"", &[]),
+            404,
+            "unknown endpoint",
+        ),
+        (
+            request(p, "GET", "/v1/chat/completions", b"", &[]),
+            405,
+            "not allowed",
+        ),
+    ];
+    for (i, (r, status, msg)) in cases.iter().enumerate() {
+        assert_eq!(r.status, *status, "case {i}: {}", r.body);
+        let v = r.json();
+        let m = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(m.contains(msg), "case {i}: {m:?} lacks {msg:?}");
+    }
+    assert_eq!(
+        cases[6].0.json()["error"]["code"],
+        "context_length_exceeded"
+    );
+    let v = post(
+        p,
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}),
+    )
+    .json();
+    assert!(
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with(" Paris"),
+        "{v}"
+    );
+}
+
+#[test]
+fn api_key_is_required_when_set() {
+    let srv = Server::start(&["--no-kv-disk", "--api-key", "s3cret", "--cors"]);
+    let p = srv.port;
+    let body = json!({"prompt": "Hi", "max_tokens": 1}).to_string();
+    let r = request(p, "POST", "/v1/completions", body.as_bytes(), &[]);
+    assert_eq!(r.status, 401);
+    assert_eq!(r.json()["error"]["type"], "authentication_error");
+    assert_eq!(
+        r.header("access-control-allow-origin").as_deref(),
+        Some("*")
+    );
+    let r = request(
+        p,
+        "POST",
+        "/v1/completions",
+        body.as_bytes(),
+        &[("Authorization", "Bearer wrong")],
+    );
+    assert_eq!(r.status, 401);
+    let r = request(
+        p,
+        "POST",
+        "/v1/completions",
+        body.as_bytes(),
+        &[("Authorization", "Bearer s3cret")],
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = request(
+        p,
+        "POST",
+        "/v1/completions",
+        body.as_bytes(),
+        &[("x-api-key", "s3cret")],
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        request(p, "OPTIONS", "/v1/completions", b"", &[]).status,
+        204
+    );
+}
+
+#[test]
+fn a_client_that_disconnects_mid_stream_cancels_and_leaves_the_session_usable() {
+    let srv = Server::start(&["--no-kv-disk"]);
+    let body =
+        json!({"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "stream": true})
+            .to_string();
+    let mut s = TcpStream::connect(("127.0.0.1", srv.port)).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut buf = [0u8; 512];
+    let n = s.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    drop(s);
+    // The generation stops at its next token; the next request is served normally.
+    let t = std::time::Instant::now();
+    let v = post(
+        srv.port,
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}),
+    )
+    .json();
+    assert!(
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with(" Paris"),
+        "{v}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(60),
+        "the abandoned generation was not cancelled"
+    );
+    let log = srv.log();
+    let first = log.lines().find(|l| l.contains("request: cache=")).unwrap();
+    let generated: usize = first
+        .split("generated=")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(generated < 2000, "{first}");
+}
+
+#[test]
+fn restart_resumes_from_the_disk_checkpoint_with_identical_output() {
+    let dir = temp_dir("restart");
+    let kv = dir.join("kv");
+    let args = [
+        "--kv-disk-dir",
+        kv.to_str().unwrap(),
+        "--kv-cache-min-tokens",
+        "16",
+    ];
+    let turn1 = json!([{ "role": "user", "content": "What is the capital of France?" }]);
+    let srv = Server::start(&args);
+    let a = post(
+        srv.port,
+        "/v1/chat/completions",
+        &chat_body(turn1, json!({})),
+    )
+    .json();
+    let answer = a["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let turn2 = json!([
+        { "role": "user", "content": "What is the capital of France?" },
+        { "role": "assistant", "content": answer },
+        { "role": "user", "content": "And of Italy?" }
+    ]);
+    let b1 = post(
+        srv.port,
+        "/v1/chat/completions",
+        &chat_body(turn2.clone(), json!({})),
+    )
+    .json();
+    let log = srv.stop();
+    assert!(
+        log.contains("reason=cold") && log.contains("reason=shutdown"),
+        "{log}"
+    );
+
+    let srv = Server::start(&args);
+    let r = post(
+        srv.port,
+        "/v1/chat/completions",
+        &chat_body(turn2, json!({})),
+    );
+    let b2 = r.json();
+    assert!(
+        r.header("x-ds4-cache").unwrap().starts_with("disk-text"),
+        "{:?}",
+        r.header("x-ds4-cache")
+    );
+    assert!(
+        b2["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    assert_eq!(
+        b2["choices"][0]["message"], b1["choices"][0]["message"],
+        "restart changed the output"
+    );
+    assert_eq!(b2["usage"]["prompt_tokens"], b1["usage"]["prompt_tokens"]);
+    drop(srv);
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -1,0 +1,494 @@
+//! The OpenAI dialects: `/v1/chat/completions` and the legacy `/v1/completions`.
+//! Requests are parsed into a [`Prompt`] plus generation settings; responses and SSE
+//! chunks are built in OpenAI's shapes, usage included.
+
+use ds4_chat::{Message, Role};
+use ds4_engine::SamplerConfig;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::worker::{FinishReason, Usage};
+
+/// A request in the engine's terms.
+#[derive(Debug)]
+pub struct Parsed {
+    /// The `model` the client asked for, echoed back; `None` echoes the served one.
+    pub model: Option<String>,
+    pub input: Input,
+    pub sampling: SamplerConfig,
+    pub max_tokens: Option<usize>,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+#[derive(Debug)]
+pub enum Input {
+    Messages(Vec<Message>),
+    Raw(String),
+}
+
+/// A request the server refuses, with OpenAI's error fields.
+#[derive(Debug, PartialEq)]
+pub struct BadRequest {
+    pub message: String,
+    pub param: Option<&'static str>,
+    pub code: Option<&'static str>,
+}
+
+impl BadRequest {
+    fn new(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        BadRequest {
+            message: message.into(),
+            param,
+            code: None,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct Common {
+    model: Option<String>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<u64>,
+    min_p: Option<f32>,
+    seed: Option<u64>,
+    stop: Option<Value>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    n: Option<u64>,
+    logit_bias: Option<Value>,
+    logprobs: Option<Value>,
+    audio: Option<Value>,
+    modalities: Option<Value>,
+    tools: Option<Value>,
+    functions: Option<Value>,
+    response_format: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct ChatBody {
+    #[serde(flatten)]
+    common: Common,
+    messages: Option<Vec<ChatMessage>>,
+}
+
+#[derive(Deserialize)]
+struct ChatMessage {
+    role: Option<String>,
+    content: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct CompletionBody {
+    #[serde(flatten)]
+    common: Common,
+    prompt: Option<Value>,
+}
+
+/// Sampling defaults when a request leaves them out (see docs/API.md).
+pub fn default_sampling() -> SamplerConfig {
+    SamplerConfig {
+        temperature: 0.2,
+        top_k: 40,
+        top_p: 0.9,
+        min_p: 0.05,
+        seed: 0,
+    }
+}
+
+fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, BadRequest> {
+    serde_json::from_slice(body)
+        .map_err(|e| BadRequest::new(format!("invalid JSON request: {e}"), None))
+}
+
+fn common(c: Common) -> Result<Parsed, BadRequest> {
+    if c.n.is_some_and(|n| n != 1) {
+        return Err(BadRequest::new("only n = 1 is supported", Some("n")));
+    }
+    if c.logit_bias
+        .as_ref()
+        .is_some_and(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty()))
+    {
+        return Err(BadRequest::new(
+            "logit_bias is not supported",
+            Some("logit_bias"),
+        ));
+    }
+    if c.logprobs
+        .as_ref()
+        .is_some_and(|v| v.as_bool() == Some(true) || v.is_number())
+    {
+        return Err(BadRequest::new(
+            "logprobs are not supported yet",
+            Some("logprobs"),
+        ));
+    }
+    if c.audio.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(BadRequest::new(
+            "audio output is not supported",
+            Some("audio"),
+        ));
+    }
+    if let Some(m) = &c.modalities {
+        if m.as_array()
+            .is_some_and(|a| a.iter().any(|x| x.as_str() != Some("text")))
+        {
+            return Err(BadRequest::new(
+                "only text output is supported",
+                Some("modalities"),
+            ));
+        }
+    }
+    if c.tools
+        .as_ref()
+        .is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty()))
+        || c.functions.as_ref().is_some_and(|t| !t.is_null())
+    {
+        return Err(BadRequest::new(
+            "tool calling is not supported yet",
+            Some("tools"),
+        ));
+    }
+    if c.response_format
+        .as_ref()
+        .and_then(|r| r.get("type"))
+        .and_then(Value::as_str)
+        .is_some_and(|t| t != "text")
+    {
+        return Err(BadRequest::new(
+            "only the text response format is supported",
+            Some("response_format"),
+        ));
+    }
+    let stop = match c.stop {
+        None | Some(Value::Null) => vec![],
+        Some(Value::String(s)) => vec![s],
+        Some(Value::Array(a)) => a
+            .into_iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s),
+                _ => Err(BadRequest::new(
+                    "stop must be a string or an array of strings",
+                    Some("stop"),
+                )),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(BadRequest::new(
+                "stop must be a string or an array of strings",
+                Some("stop"),
+            ))
+        }
+    };
+    let mut sampling = default_sampling();
+    if let Some(t) = c.temperature {
+        if !(0.0..=2.0).contains(&t) {
+            return Err(BadRequest::new(
+                "temperature must be between 0 and 2",
+                Some("temperature"),
+            ));
+        }
+        sampling.temperature = t;
+    }
+    if let Some(p) = c.top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(BadRequest::new("top_p must be in (0, 1]", Some("top_p")));
+        }
+        sampling.top_p = p;
+    }
+    if let Some(k) = c.top_k {
+        sampling.top_k = k as usize;
+    }
+    if let Some(m) = c.min_p {
+        if !(0.0..=1.0).contains(&m) {
+            return Err(BadRequest::new("min_p must be in [0, 1]", Some("min_p")));
+        }
+        sampling.min_p = m;
+    }
+    sampling.seed = c.seed.unwrap_or_else(clock_seed);
+    let max_tokens = c.max_completion_tokens.or(c.max_tokens).map(|n| n as usize);
+    Ok(Parsed {
+        model: c.model,
+        input: Input::Raw(String::new()),
+        sampling,
+        max_tokens,
+        stop,
+        stream: c.stream.unwrap_or(false),
+        include_usage: c
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
+    })
+}
+
+fn clock_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Text of a message `content`: a string, null, or an array of text parts.
+fn content_text(v: Option<Value>, i: usize) -> Result<String, BadRequest> {
+    match v {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s),
+        Some(Value::Array(parts)) => {
+            let mut out = String::new();
+            for p in parts {
+                match p.get("type").and_then(Value::as_str) {
+                    Some("text") | None => match p.get("text").and_then(Value::as_str) {
+                        Some(t) => out.push_str(t),
+                        None => {
+                            return Err(BadRequest::new(
+                                format!("messages[{i}].content: a text part needs a string `text`"),
+                                Some("messages"),
+                            ))
+                        }
+                    },
+                    Some(other) => return Err(BadRequest::new(
+                        format!(
+                            "messages[{i}].content: {other} parts are not supported (text only)"
+                        ),
+                        Some("messages"),
+                    )),
+                }
+            }
+            Ok(out)
+        }
+        Some(_) => Err(BadRequest::new(
+            format!("messages[{i}].content must be a string or an array of content parts"),
+            Some("messages"),
+        )),
+    }
+}
+
+pub fn parse_chat(body: &[u8]) -> Result<Parsed, BadRequest> {
+    let b: ChatBody = parse_json(body)?;
+    let mut p = common(b.common)?;
+    let msgs = b
+        .messages
+        .ok_or_else(|| BadRequest::new("missing `messages`", Some("messages")))?;
+    if msgs.is_empty() {
+        return Err(BadRequest::new("`messages` is empty", Some("messages")));
+    }
+    let mut out = Vec::with_capacity(msgs.len());
+    for (i, m) in msgs.into_iter().enumerate() {
+        let role = match m.role.as_deref().unwrap_or("user") {
+            "system" | "developer" => Role::System,
+            "user" => Role::User,
+            "assistant" => Role::Assistant,
+            "tool" | "function" => {
+                return Err(BadRequest::new(
+                    format!("messages[{i}]: tool messages are not supported yet"),
+                    Some("messages"),
+                ))
+            }
+            other => return Err(BadRequest::new(
+                format!(
+                    "messages[{i}]: unknown role {other:?} (system, developer, user, assistant)"
+                ),
+                Some("messages"),
+            )),
+        };
+        out.push(Message::new(role, content_text(m.content, i)?));
+    }
+    p.input = Input::Messages(out);
+    Ok(p)
+}
+
+pub fn parse_completion(body: &[u8]) -> Result<Parsed, BadRequest> {
+    let b: CompletionBody = parse_json(body)?;
+    let mut p = common(b.common)?;
+    let prompt = match b.prompt {
+        Some(Value::String(s)) => s,
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            a[0].as_str().unwrap_or_default().to_string()
+        }
+        Some(Value::Array(_)) => {
+            return Err(BadRequest::new(
+                "prompt must be one string (batches are not supported)",
+                Some("prompt"),
+            ))
+        }
+        None => return Err(BadRequest::new("missing `prompt`", Some("prompt"))),
+        Some(_) => return Err(BadRequest::new("prompt must be a string", Some("prompt"))),
+    };
+    if prompt.is_empty() {
+        return Err(BadRequest::new("prompt is empty", Some("prompt")));
+    }
+    p.input = Input::Raw(prompt);
+    Ok(p)
+}
+
+pub fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": { "cached_tokens": u.cached_tokens },
+    })
+}
+
+/// Which OpenAI endpoint a response is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Chat,
+    Completion,
+}
+
+pub fn response(
+    kind: Kind,
+    id: &str,
+    created: u64,
+    model: &str,
+    text: &str,
+    finish: FinishReason,
+    u: &Usage,
+) -> Value {
+    match kind {
+        Kind::Chat => json!({
+            "id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{ "index": 0, "message": { "role": "assistant", "content": text },
+                          "logprobs": null, "finish_reason": finish.as_str() }],
+            "usage": usage_json(u),
+        }),
+        Kind::Completion => json!({
+            "id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{ "index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str() }],
+            "usage": usage_json(u),
+        }),
+    }
+}
+
+/// One streaming chunk: a text delta (`text`), the role opener (`role_only`), or the
+/// closing chunk (`finish`).
+pub fn chunk(
+    kind: Kind,
+    id: &str,
+    created: u64,
+    model: &str,
+    text: Option<&str>,
+    finish: Option<FinishReason>,
+) -> Value {
+    let finish = finish.map(FinishReason::as_str);
+    match kind {
+        Kind::Chat => {
+            let delta = match text {
+                Some(t) => json!({ "content": t }),
+                None if finish.is_none() => json!({ "role": "assistant", "content": "" }),
+                None => json!({}),
+            };
+            json!({
+                "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish }],
+            })
+        }
+        Kind::Completion => json!({
+            "id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{ "index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish }],
+        }),
+    }
+}
+
+/// The usage-only chunk sent before `[DONE]` with `stream_options.include_usage`.
+pub fn usage_chunk(kind: Kind, id: &str, created: u64, model: &str, u: &Usage) -> Value {
+    let object = if kind == Kind::Chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    json!({ "id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage_json(u) })
+}
+
+pub fn error_body(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> Value {
+    json!({ "error": { "message": message, "type": kind, "param": param, "code": code } })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_requests_parse_leniently_and_refuse_what_we_cannot_do() {
+        let p = parse_chat(
+            br#"{"model":"m","messages":[{"role":"developer","content":"sys"},
+            {"role":"user","content":[{"type":"text","text":"a"},{"text":"b"}]},{"content":null}],
+            "max_completion_tokens":7,"stop":"END","temperature":0,"stream":true,
+            "stream_options":{"include_usage":true},"user":"x","metadata":{"k":1},"n":1}"#,
+        )
+        .unwrap();
+        let Input::Messages(m) = &p.input else {
+            panic!()
+        };
+        assert_eq!(m[0], Message::new(Role::System, "sys"));
+        assert_eq!(m[1], Message::new(Role::User, "ab"));
+        assert_eq!(m[2], Message::new(Role::User, ""));
+        assert_eq!(
+            (p.max_tokens, p.stop.clone(), p.stream, p.include_usage),
+            (Some(7), vec!["END".into()], true, true)
+        );
+        assert_eq!(p.sampling.temperature, 0.0);
+
+        let bad = |b: &str| parse_chat(b.as_bytes()).unwrap_err().message;
+        assert!(bad("{").starts_with("invalid JSON request"));
+        assert!(bad(r#"{"messages":"hi"}"#).starts_with("invalid JSON request"));
+        assert!(
+            bad(r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":"9"}"#)
+                .contains("invalid type")
+        );
+        assert_eq!(bad(r#"{}"#), "missing `messages`");
+        assert_eq!(bad(r#"{"messages":[]}"#), "`messages` is empty");
+        assert!(bad(r#"{"messages":[{"role":"wizard","content":"x"}]}"#)
+            .contains("unknown role \"wizard\""));
+        assert_eq!(
+            bad(r#"{"messages":[{"content":"x"}],"n":2}"#),
+            "only n = 1 is supported"
+        );
+        assert!(
+            bad(r#"{"messages":[{"content":"x"}],"logit_bias":{"5":1}}"#).contains("logit_bias")
+        );
+        assert!(
+            bad(r#"{"messages":[{"content":[{"type":"image_url","image_url":{}}]}]}"#)
+                .contains("image_url parts")
+        );
+        assert!(bad(r#"{"messages":[{"content":"x"}],"temperature":3}"#).contains("temperature"));
+        assert!(bad(r#"{"messages":[{"content":"x"}],"stop":[1]}"#).contains("stop"));
+    }
+
+    #[test]
+    fn completions_take_one_prompt() {
+        let p = parse_completion(br#"{"prompt":["Once"],"max_tokens":3}"#).unwrap();
+        assert!(matches!(p.input, Input::Raw(ref s) if s == "Once"));
+        assert!(parse_completion(br#"{"prompt":["a","b"]}"#).is_err());
+        assert!(parse_completion(br#"{"prompt":""}"#).is_err());
+    }
+
+    #[test]
+    fn chunks_have_openai_shapes() {
+        let c = chunk(Kind::Chat, "id", 1, "m", None, None);
+        assert_eq!(
+            c["choices"][0]["delta"],
+            json!({"role":"assistant","content":""})
+        );
+        let c = chunk(Kind::Chat, "id", 1, "m", Some("hi"), None);
+        assert_eq!(c["choices"][0]["delta"]["content"], "hi");
+        assert!(c["choices"][0]["finish_reason"].is_null());
+        let c = chunk(Kind::Chat, "id", 1, "m", None, Some(FinishReason::Length));
+        assert_eq!(
+            (
+                c["choices"][0]["delta"].clone(),
+                c["choices"][0]["finish_reason"].clone()
+            ),
+            (json!({}), json!("length"))
+        );
+    }
+}

@@ -1,0 +1,436 @@
+//! The engine worker: one thread that owns the live session and runs requests one
+//! at a time, outside the async runtime. For each request it picks the cheapest
+//! state to start from — the live session's token prefix (`memory-token`), the live
+//! session's rendered text (`memory-text`), a disk checkpoint (`disk-text`), or
+//! nothing (`none`) — prefills only the rest, and streams the generated text back.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Instant;
+
+use ds4_engine::tokenizer::StreamDecoder;
+use ds4_engine::{EngineError, Sampler, SamplerConfig, Session};
+use ds4_kvstore::SaveReason;
+use tokio::sync::mpsc as tmpsc;
+
+use crate::persist::Persist;
+
+/// Where a request's reused state came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheSource {
+    MemoryToken,
+    MemoryText,
+    DiskText,
+    None,
+}
+
+impl CacheSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheSource::MemoryToken => "memory-token",
+            CacheSource::MemoryText => "memory-text",
+            CacheSource::DiskText => "disk-text",
+            CacheSource::None => "none",
+        }
+    }
+}
+
+/// One generation request, already rendered to prompt text.
+pub struct Job {
+    pub prompt: String,
+    pub sampling: SamplerConfig,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub events: tmpsc::Sender<Event>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    /// Tokens of this request written to a checkpoint (cold or continued saves).
+    pub checkpointed_tokens: usize,
+    pub completion_tokens: usize,
+    pub cache_source: CacheSource,
+}
+
+/// What the worker reports, in order: `Started`, any number of `Text`, then `Done`
+/// or `Failed`.
+#[derive(Clone, Debug)]
+pub enum Event {
+    Started {
+        prompt_tokens: usize,
+        cached_tokens: usize,
+        cache_source: CacheSource,
+    },
+    Text(String),
+    Done {
+        finish: FinishReason,
+        usage: Usage,
+    },
+    Failed(JobError),
+}
+
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum JobError {
+    #[error("this model's maximum context length is {n_ctx} tokens; the request needs {needed} (prompt {prompt_tokens} + at least 1 generated)")]
+    ContextLength {
+        n_ctx: usize,
+        needed: usize,
+        prompt_tokens: usize,
+    },
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("engine error: {0}")]
+    Engine(String),
+}
+
+/// Submits jobs to the worker thread.
+#[derive(Clone)]
+pub struct WorkerHandle {
+    tx: mpsc::SyncSender<Job>,
+    depth: Arc<AtomicUsize>,
+    stopping: Arc<AtomicBool>,
+}
+
+/// Why a job was not queued.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SubmitError {
+    QueueFull,
+    ShuttingDown,
+}
+
+impl WorkerHandle {
+    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        if self.stopping.load(Ordering::Acquire) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        self.depth.fetch_add(1, Ordering::AcqRel);
+        match self.tx.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.depth.fetch_sub(1, Ordering::AcqRel);
+                Err(match e {
+                    mpsc::TrySendError::Full(_) => SubmitError::QueueFull,
+                    mpsc::TrySendError::Disconnected(_) => SubmitError::ShuttingDown,
+                })
+            }
+        }
+    }
+
+    /// Jobs queued or running.
+    pub fn queue_depth(&self) -> usize {
+        self.depth.load(Ordering::Acquire)
+    }
+
+    /// Stops new jobs and makes the running one end at its next token.
+    pub fn begin_shutdown(&self) {
+        self.stopping.store(true, Ordering::Release);
+    }
+}
+
+/// The worker thread; `join` waits for it to finish the queue and save.
+pub struct Worker {
+    pub handle: WorkerHandle,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Worker {
+    /// Starts the worker on `session`, with `persist` for disk checkpoints.
+    pub fn start(session: Session, persist: Option<Persist>, queue_max: usize) -> Self {
+        let (tx, rx) = mpsc::sync_channel::<Job>(queue_max.max(1));
+        let depth = Arc::new(AtomicUsize::new(0));
+        let stopping = Arc::new(AtomicBool::new(false));
+        let handle = WorkerHandle {
+            tx,
+            depth: Arc::clone(&depth),
+            stopping: Arc::clone(&stopping),
+        };
+        let thread = std::thread::Builder::new()
+            .name("ds4-engine".into())
+            .spawn(move || {
+                let mut state = WorkerState {
+                    session,
+                    persist,
+                    stopping,
+                };
+                while let Ok(job) = rx.recv() {
+                    state.run(job);
+                    depth.fetch_sub(1, Ordering::AcqRel);
+                }
+                state.shutdown_save();
+            })
+            .expect("spawning the engine thread");
+        Worker { handle, thread }
+    }
+
+    /// Waits for the worker to drain (after every handle is dropped) and save.
+    pub fn join(self) {
+        let Worker { handle, thread } = self;
+        drop(handle);
+        let _ = thread.join();
+    }
+}
+
+struct WorkerState {
+    session: Session,
+    persist: Option<Persist>,
+    stopping: Arc<AtomicBool>,
+}
+
+impl WorkerState {
+    fn run(&mut self, job: Job) {
+        if let Err(e) = self.generate(&job) {
+            let _ = job.events.blocking_send(Event::Failed(e));
+        }
+    }
+
+    fn shutdown_save(&mut self) {
+        if let Some(p) = &mut self.persist {
+            p.save(&self.session, SaveReason::Shutdown);
+        }
+    }
+
+    /// Positions the session at the longest reusable prefix of `prompt` and returns
+    /// the full token sequence of the request, how many of them are reused, and the
+    /// source of the reuse.
+    fn plan(&mut self, prompt: &str) -> (Vec<u32>, usize, CacheSource) {
+        let model = Arc::clone(self.session.model());
+        let tok = &model.tokenizer;
+        let ids = tok.encode(prompt, true, true);
+        let live = self.session.tokens().to_vec();
+        let by_token = live.iter().zip(&ids).take_while(|(a, b)| a == b).count();
+        let live_text = tok.decode(&live, true);
+        let text_prefix = !live.is_empty()
+            && prompt.as_bytes().starts_with(&live_text)
+            && prompt.is_char_boundary(live_text.len());
+        if text_prefix && live.len() > by_token {
+            // The live tokens represent a prefix of the text but are not the
+            // prompt's own tokenization: keep them all, tokenize only the rest.
+            let mut full = live;
+            full.extend(tok.encode(&prompt[live_text.len()..], false, true));
+            let n = self.session.tokens().len();
+            return (full, n, CacheSource::MemoryText);
+        }
+        let Some(p) = &mut self.persist else {
+            let source = if by_token > 0 {
+                CacheSource::MemoryToken
+            } else {
+                CacheSource::None
+            };
+            return (ids, by_token, source);
+        };
+        if by_token >= p.min_tokens() {
+            return (ids, by_token, CacheSource::MemoryToken);
+        }
+        // Little or nothing in memory: save the live state this request replaces,
+        // then look on disk. (A short memory prefix is re-prefilled on a miss.)
+        if live.len() > by_token {
+            p.save(&self.session, SaveReason::Evict);
+        }
+        self.session.reset();
+        let covered = p.restore(&mut self.session, prompt.as_bytes());
+        if covered > 0 && prompt.is_char_boundary(covered) {
+            let mut full = self.session.tokens().to_vec();
+            let n = full.len();
+            full.extend(tok.encode(&prompt[covered..], false, true));
+            return (full, n, CacheSource::DiskText);
+        }
+        self.session.reset();
+        (ids, 0, CacheSource::None)
+    }
+
+    fn generate(&mut self, job: &Job) -> Result<(), JobError> {
+        if job.prompt.is_empty() {
+            return Err(JobError::EmptyPrompt);
+        }
+        let (ids, reused, source) = self.plan(&job.prompt);
+        let n_ctx = self.session.n_ctx();
+        if ids.len() + 1 > n_ctx {
+            return Err(JobError::ContextLength {
+                n_ctx,
+                needed: ids.len() + 1,
+                prompt_tokens: ids.len(),
+            });
+        }
+        // Memory reuse may need the live session cut back to the shared prefix (a
+        // rewind recomputes one token, never a prefill of the whole prompt).
+        if self.session.tokens().len() > reused {
+            self.session.rewind(reused).map_err(engine)?;
+        }
+        let _ = job.events.blocking_send(Event::Started {
+            prompt_tokens: ids.len(),
+            cached_tokens: reused,
+            cache_source: source,
+        });
+        let t0 = Instant::now();
+        let suffix = &ids[self.session.tokens().len()..];
+        let saved_before = self.persist.as_ref().map_or(0, |p| p.saved_tokens());
+        match &mut self.persist {
+            Some(p) => p.prefill(
+                &mut self.session,
+                suffix,
+                source == CacheSource::None,
+                &mut |s, t| s.prefill(t),
+            ),
+            None => self.session.prefill(suffix),
+        }
+        .map_err(engine)?;
+        let checkpointed = self.persist.as_ref().map_or(0, |p| p.saved_tokens()) - saved_before;
+        let prefill_s = t0.elapsed().as_secs_f64();
+
+        let model = Arc::clone(self.session.model());
+        let tok = &model.tokenizer;
+        let mut sampler = Sampler::new(job.sampling.clone());
+        let mut stream = StreamDecoder::default();
+        let mut stops = StopMatcher::new(&job.stop);
+        let mut generated = 0;
+        let mut finish = FinishReason::Length;
+        let t1 = Instant::now();
+        while generated < job.max_tokens && self.session.tokens().len() < n_ctx {
+            if self.stopping.load(Ordering::Acquire) || job.events.is_closed() {
+                break;
+            }
+            let next = sampler.sample(self.session.logits().map_err(engine)?);
+            generated += 1;
+            if tok.is_eog(next) {
+                finish = FinishReason::Stop;
+                // Keep the end-of-turn token: the next turn's prompt renders it.
+                self.session.decode_step(next).map_err(engine)?;
+                break;
+            }
+            let text = stream.push(tok.token_piece(next, false)).to_string();
+            self.session.decode_step(next).map_err(engine)?;
+            if let Some(p) = &mut self.persist {
+                p.after_decode(&self.session);
+            }
+            let (emit, stopped) = stops.push(&text);
+            if !emit.is_empty() && job.events.blocking_send(Event::Text(emit)).is_err() {
+                break;
+            }
+            if stopped {
+                finish = FinishReason::Stop;
+                break;
+            }
+        }
+        let tail = stops.finish(stream.finish());
+        if !tail.is_empty() {
+            let _ = job.events.blocking_send(Event::Text(tail));
+        }
+        eprintln!(
+            "request: cache={} reused={reused} prompt={} prefill={:.2}s generated={generated} decode={:.2}s finish={}",
+            source.as_str(),
+            ids.len(),
+            prefill_s,
+            t1.elapsed().as_secs_f64(),
+            finish.as_str()
+        );
+        let _ = job.events.blocking_send(Event::Done {
+            finish,
+            usage: Usage {
+                prompt_tokens: ids.len(),
+                cached_tokens: reused,
+                checkpointed_tokens: checkpointed,
+                completion_tokens: generated,
+                cache_source: source,
+            },
+        });
+        Ok(())
+    }
+}
+
+fn engine(e: EngineError) -> JobError {
+    JobError::Engine(e.to_string())
+}
+
+/// Holds back text that might be the start of a stop sequence, and cuts the output
+/// at the first complete one.
+struct StopMatcher<'a> {
+    stops: &'a [String],
+    pending: String,
+}
+
+impl<'a> StopMatcher<'a> {
+    fn new(stops: &'a [String]) -> Self {
+        StopMatcher {
+            stops,
+            pending: String::new(),
+        }
+    }
+
+    /// Adds generated text; returns what can be emitted and whether a stop sequence
+    /// was hit (the stop itself and anything after it are dropped).
+    fn push(&mut self, text: &str) -> (String, bool) {
+        self.pending.push_str(text);
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min()
+        {
+            let out = self.pending[..at].to_string();
+            self.pending.clear();
+            return (out, true);
+        }
+        // Keep the longest suffix that is a proper prefix of some stop sequence.
+        let keep = self
+            .stops
+            .iter()
+            .flat_map(|s| {
+                (1..s.len())
+                    .filter(|&k| s.is_char_boundary(k))
+                    .map(move |k| &s[..k])
+            })
+            .filter(|p| self.pending.ends_with(p))
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        let cut = self.pending.len() - keep;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        (out, false)
+    }
+
+    fn finish(&mut self, tail: &str) -> String {
+        let (mut out, stopped) = self.push(tail);
+        if !stopped {
+            out.push_str(&std::mem::take(&mut self.pending));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_sequences_cut_and_hold_back() {
+        let stops = vec!["END".to_string(), "\n\n".to_string()];
+        let mut m = StopMatcher::new(&stops);
+        assert_eq!(m.push("Hello E"), ("Hello ".to_string(), false));
+        assert_eq!(m.push("N"), (String::new(), false));
+        assert_eq!(m.push("Dx"), (String::new(), true));
+        let mut m = StopMatcher::new(&stops);
+        assert_eq!(m.push("a\n"), ("a".to_string(), false));
+        assert_eq!(m.finish("b"), "\nb");
+        let none: Vec<String> = vec![];
+        let mut m = StopMatcher::new(&none);
+        assert_eq!(m.push("xyz"), ("xyz".to_string(), false));
+    }
+}
