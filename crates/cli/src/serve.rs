@@ -3,7 +3,6 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
-use ds4_chat::ChatMl;
 use ds4_server::persist::Persist;
 use ds4_server::{router, ServerConfig, Worker};
 
@@ -47,7 +46,6 @@ pub fn run(a: &ServeArgs) -> Result<()> {
     } = load(&a.model)?;
     let store = a.kv.open(Some(crate::models::ds4_home()?.join("kv")))?;
     let persist = store.map(|s| Persist::new(s, &session));
-    let template = model.chat_template().and_then(ChatMl::from_template);
     let worker = Worker::start(session, persist, a.queue_max);
     let cfg = ServerConfig {
         api_key: a.api_key.clone(),
@@ -58,7 +56,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
             .file_stem()
             .map_or_else(|| "ds4".into(), |s| s.to_string_lossy().into_owned()),
     };
-    let app = router(cfg, worker.handle.clone(), template);
+    let app = router(cfg, worker.handle.clone(), model);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

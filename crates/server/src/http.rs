@@ -1,7 +1,7 @@
-//! The HTTP side: routes, API key, CORS, JSON and SSE responses. Handlers parse a
-//! dialect, render the prompt, queue a job for the engine worker and relay its
-//! events; a client that goes away drops the event channel, which the worker sees
-//! at its next token.
+//! The HTTP side: routes, API key, CORS, and the generic request runner. Handlers
+//! parse a dialect, render the prompt, queue a job for the engine worker and relay
+//! its events as JSON or SSE in the dialect's shape; a client that goes away drops
+//! the event channel, which the worker notices at its next token.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{DefaultBodyLimit, Request as HttpRequest, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -17,11 +17,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use ds4_chat::ChatMl;
+use ds4_engine::Model;
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::openai::{self, BadRequest, Input, Kind, Parsed};
+use crate::dialect::{Dialect, ErrorKind, Gen, Input, Request};
+use crate::openai::{self, Kind, OpenAi};
 use crate::worker::{Event, Job, JobError, SubmitError, Usage, WorkerHandle};
 
 /// Server settings.
@@ -36,19 +38,23 @@ pub struct ServerConfig {
     pub model_name: String,
 }
 
-struct AppState {
-    cfg: ServerConfig,
-    worker: WorkerHandle,
-    template: Option<ChatMl>,
+pub(crate) struct AppState {
+    pub cfg: ServerConfig,
+    pub worker: WorkerHandle,
+    /// The served model, for tokenizing on the HTTP side (token counts).
+    pub model: Arc<Model>,
+    pub template: Option<ChatMl>,
     next_id: AtomicU64,
 }
 
-/// Builds the router over a running worker.
-pub fn router(cfg: ServerConfig, worker: WorkerHandle, template: Option<ChatMl>) -> Router {
+/// Builds the router over a running worker of `model`.
+pub fn router(cfg: ServerConfig, worker: WorkerHandle, model: Arc<Model>) -> Router {
     let max_body = cfg.max_body_bytes;
+    let template = model.chat_template().and_then(ChatMl::from_template);
     let state = Arc::new(AppState {
         cfg,
         worker,
+        model,
         template,
         next_id: AtomicU64::new(1),
     });
@@ -64,95 +70,74 @@ pub fn router(cfg: ServerConfig, worker: WorkerHandle, template: Option<ChatMl>)
         .with_state(state)
 }
 
-fn error(
-    status: StatusCode,
-    message: &str,
-    kind: &str,
-    param: Option<&str>,
-    code: Option<&str>,
-) -> Response {
-    (status, Json(openai::error_body(message, kind, param, code))).into_response()
+/// The dialect whose error shape answers a request to `path` that no handler
+/// parsed (authentication, body size, unknown routes).
+fn dialect_for_path(_path: &str) -> Arc<dyn Dialect> {
+    Arc::new(OpenAi(Kind::Chat))
 }
 
-fn bad_request(e: BadRequest) -> Response {
-    error(
-        StatusCode::BAD_REQUEST,
-        &e.message,
-        "invalid_request_error",
-        e.param,
-        e.code,
-    )
-}
-
-async fn not_found(req: Request) -> Response {
+async fn not_found(req: HttpRequest) -> Response {
     let msg = format!("unknown endpoint {} {}", req.method(), req.uri().path());
-    error(StatusCode::NOT_FOUND, &msg, "not_found_error", None, None)
+    dialect_for_path(req.uri().path()).error(StatusCode::NOT_FOUND, &msg, ErrorKind::NotFound)
 }
 
-async fn method_not_allowed(req: Request) -> Response {
+async fn method_not_allowed(req: HttpRequest) -> Response {
     let msg = format!(
         "method {} is not allowed on {}",
         req.method(),
         req.uri().path()
     );
-    error(
+    dialect_for_path(req.uri().path()).error(
         StatusCode::METHOD_NOT_ALLOWED,
         &msg,
-        "invalid_request_error",
-        None,
-        None,
+        ErrorKind::InvalidRequest,
     )
 }
 
-/// API key check, CORS headers and preflight, and OpenAI-shaped errors for
+/// API key check, CORS headers and preflight, and dialect-shaped errors for
 /// oversized bodies.
-async fn guard(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    if req.method() == Method::OPTIONS {
-        let mut r = StatusCode::NO_CONTENT.into_response();
-        if st.cfg.cors {
-            add_cors(r.headers_mut());
-        }
-        return r;
-    }
-    if let Some(key) = &st.cfg.api_key {
-        let h = req.headers();
-        let bearer = h
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok());
-        if bearer != Some(key.as_str()) && x_api_key != Some(key.as_str()) {
-            let mut r = error(
-                StatusCode::UNAUTHORIZED,
-                "invalid or missing API key (send `Authorization: Bearer KEY` or `x-api-key: KEY`)",
-                "authentication_error",
-                None,
-                Some("invalid_api_key"),
+async fn guard(State(st): State<Arc<AppState>>, req: HttpRequest, next: Next) -> Response {
+    let d = dialect_for_path(req.uri().path());
+    let mut r = if req.method() == Method::OPTIONS {
+        StatusCode::NO_CONTENT.into_response()
+    } else if !authorized(&st.cfg, req.headers()) {
+        d.error(
+            StatusCode::UNAUTHORIZED,
+            "invalid or missing API key (send `Authorization: Bearer KEY` or `x-api-key: KEY`)",
+            ErrorKind::Authentication,
+        )
+    } else {
+        let r = next.run(req).await;
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            let msg = format!(
+                "request body is larger than --max-body-bytes ({})",
+                st.cfg.max_body_bytes
             );
-            if st.cfg.cors {
-                add_cors(r.headers_mut());
-            }
-            return r;
+            d.error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &msg,
+                ErrorKind::InvalidRequest,
+            )
+        } else {
+            r
         }
-    }
-    let mut r = next.run(req).await;
-    if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        let msg = format!(
-            "request body is larger than --max-body-bytes ({})",
-            st.cfg.max_body_bytes
-        );
-        r = error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            &msg,
-            "invalid_request_error",
-            None,
-            None,
-        );
-    }
+    };
     if st.cfg.cors {
         add_cors(r.headers_mut());
     }
     r
+}
+
+fn authorized(cfg: &ServerConfig, h: &HeaderMap) -> bool {
+    let Some(key) = &cfg.api_key else {
+        return true;
+    };
+    let bearer = h
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok());
+    bearer == Some(key.as_str()) || x_api_key == Some(key.as_str())
 }
 
 fn add_cors(h: &mut HeaderMap) {
@@ -172,23 +157,29 @@ async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
+    let hp = &st.model.hparams;
     Json(json!({
         "object": "list",
-        "data": [{ "id": st.cfg.model_name, "object": "model", "created": 0, "owned_by": "ds4" }],
+        "data": [{
+            "id": st.cfg.model_name, "object": "model", "created": 0, "owned_by": "ds4",
+            "meta": { "arch": hp.arch, "n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train, "n_embd": hp.n_embd },
+        }],
     }))
 }
 
 async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let d: Arc<dyn Dialect> = Arc::new(OpenAi(Kind::Chat));
     match openai::parse_chat(&body) {
-        Ok(p) => run(st, p, Kind::Chat).await,
-        Err(e) => bad_request(e),
+        Ok(p) => run(st, p, d).await,
+        Err(e) => d.bad_request(e),
     }
 }
 
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let d: Arc<dyn Dialect> = Arc::new(OpenAi(Kind::Completion));
     match openai::parse_completion(&body) {
-        Ok(p) => run(st, p, Kind::Completion).await,
-        Err(e) => bad_request(e),
+        Ok(p) => run(st, p, d).await,
+        Err(e) => d.bad_request(e),
     }
 }
 
@@ -198,43 +189,32 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-fn job_error(e: &JobError) -> Response {
-    match e {
-        JobError::ContextLength { .. } => error(
-            StatusCode::BAD_REQUEST,
-            &e.to_string(),
-            "invalid_request_error",
-            Some("messages"),
-            Some("context_length_exceeded"),
-        ),
-        JobError::EmptyPrompt => error(
-            StatusCode::BAD_REQUEST,
-            &e.to_string(),
-            "invalid_request_error",
-            None,
-            None,
-        ),
-        JobError::Engine(_) => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            &e.to_string(),
-            "server_error",
-            None,
-            None,
-        ),
+/// The error response a job failure turns into, in the dialect's shape.
+fn job_error(d: &dyn Dialect, e: &JobError) -> Response {
+    let (status, kind) = match e {
+        JobError::ContextLength { .. } => (StatusCode::BAD_REQUEST, ErrorKind::ContextLength),
+        JobError::EmptyPrompt => (StatusCode::BAD_REQUEST, ErrorKind::InvalidRequest),
+        JobError::Engine(_) => (StatusCode::INTERNAL_SERVER_ERROR, ErrorKind::Server),
+    };
+    d.error(status, &e.to_string(), kind)
+}
+
+/// The prompt text of a request: its raw prompt, or its messages rendered with
+/// the model's chat template.
+pub(crate) fn render(st: &AppState, input: &Input) -> Result<String, &'static str> {
+    match (input, &st.template) {
+        (Input::Raw(s), _) => Ok(s.clone()),
+        (Input::Messages(m), Some(t)) => Ok(t.render(m, true)),
+        (Input::Messages(_), None) => Err("this model has no chat template; use /v1/completions"),
     }
 }
 
-async fn run(st: Arc<AppState>, p: Parsed, kind: Kind) -> Response {
-    let prompt = match (&p.input, &st.template) {
-        (Input::Raw(s), _) => s.clone(),
-        (Input::Messages(m), Some(t)) => t.render(m, true),
-        (Input::Messages(_), None) => {
-            return bad_request(BadRequest {
-                message: "this model has no chat template; use /v1/completions".into(),
-                param: None,
-                code: None,
-            })
-        }
+/// Runs a parsed request of any dialect: renders the prompt, queues the job and
+/// answers in the dialect's JSON or SSE shape.
+pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> Response {
+    let prompt = match render(&st, &p.input) {
+        Ok(p) => p,
+        Err(msg) => return d.error(StatusCode::BAD_REQUEST, msg, ErrorKind::InvalidRequest),
     };
     let (tx, mut rx) = mpsc::channel(256);
     let job = Job {
@@ -247,35 +227,32 @@ async fn run(st: Arc<AppState>, p: Parsed, kind: Kind) -> Response {
     match st.worker.submit(job) {
         Ok(()) => {}
         Err(SubmitError::QueueFull) => {
-            let mut r = error(
+            let mut r = d.error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the request queue is full (--queue-max); retry shortly",
-                "server_error",
-                None,
-                Some("queue_full"),
+                ErrorKind::Overloaded,
             );
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
             return r;
         }
         Err(SubmitError::ShuttingDown) => {
-            return error(
+            return d.error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "server shutting down",
-                "server_error",
-                None,
-                None,
+                ErrorKind::Overloaded,
             )
         }
     }
-    let model_name = p.model.clone().unwrap_or_else(|| st.cfg.model_name.clone());
-    let prefix = if kind == Kind::Chat {
-        "chatcmpl"
-    } else {
-        "cmpl"
-    };
-    let id = format!("{prefix}-{}", st.next_id.fetch_add(1, Ordering::Relaxed));
-    let created = now();
+    let g = Arc::new(Gen {
+        id: format!(
+            "{}-{}",
+            d.id_prefix(),
+            st.next_id.fetch_add(1, Ordering::Relaxed)
+        ),
+        created: now(),
+        model: p.model.clone().unwrap_or_else(|| st.cfg.model_name.clone()),
+    });
 
     if !p.stream {
         let mut text = String::new();
@@ -284,28 +261,24 @@ async fn run(st: Arc<AppState>, p: Parsed, kind: Kind) -> Response {
                 Event::Started { .. } => {}
                 Event::Text(t) => text.push_str(&t),
                 Event::Done { finish, usage } => {
-                    let body =
-                        openai::response(kind, &id, created, &model_name, &text, finish, &usage);
-                    let mut r = Json(body).into_response();
+                    let mut r = Json(d.complete(&g, &text, finish, &usage)).into_response();
                     cache_header(&mut r, &usage);
                     return r;
                 }
-                Event::Failed(e) => return job_error(&e),
+                Event::Failed(e) => return job_error(d.as_ref(), &e),
             }
         }
-        return error(
+        return d.error(
             StatusCode::INTERNAL_SERVER_ERROR,
             "the engine stopped",
-            "server_error",
-            None,
-            None,
+            ErrorKind::Server,
         );
     }
 
-    // Streaming: wait for the start (or an early failure, answered as plain JSON),
-    // then relay. Keep-alive comments cover long prefills.
-    let first = rx.recv().await;
-    let usage_hint = match first {
+    // Streaming: wait for the start (an early failure is answered as plain JSON),
+    // then relay. The start comes before the prefill, so the headers go out early
+    // and keep-alive comments cover a long prefill.
+    let started = match rx.recv().await {
         Some(Event::Started {
             prompt_tokens,
             cached_tokens,
@@ -317,72 +290,43 @@ async fn run(st: Arc<AppState>, p: Parsed, kind: Kind) -> Response {
             completion_tokens: 0,
             cache_source,
         },
-        Some(Event::Failed(e)) => return job_error(&e),
+        Some(Event::Failed(e)) => return job_error(d.as_ref(), &e),
         _ => {
-            return error(
+            return d.error(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "the engine stopped",
-                "server_error",
-                None,
-                None,
+                ErrorKind::Server,
             )
         }
     };
-    let opener = openai::chunk(kind, &id, created, &model_name, None, None);
-    let head = stream::iter(if kind == Kind::Chat {
-        vec![opener]
-    } else {
-        vec![]
-    });
-    let model = model_name;
+    let head = stream::iter(d.stream_start(&g, &started));
     let include_usage = p.include_usage;
-    let body = stream::unfold((rx, false), move |(mut rx, done)| {
-        let (id, model) = (id.clone(), model.clone());
-        async move {
-            if done {
-                return None;
-            }
-            match rx.recv().await {
-                Some(Event::Text(t)) => Some((
-                    vec![openai::chunk(kind, &id, created, &model, Some(&t), None)],
-                    (rx, false),
-                )),
-                Some(Event::Done { finish, usage }) => {
-                    let mut out = vec![openai::chunk(
-                        kind,
-                        &id,
-                        created,
-                        &model,
-                        None,
-                        Some(finish),
-                    )];
-                    if include_usage {
-                        out.push(openai::usage_chunk(kind, &id, created, &model, &usage));
-                    }
-                    Some((out, (rx, true)))
+    let body = stream::unfold(
+        (rx, String::new(), false),
+        move |(mut rx, mut text, done)| {
+            let (d, g) = (Arc::clone(&d), Arc::clone(&g));
+            async move {
+                if done {
+                    return None;
                 }
-                Some(Event::Failed(e)) => Some((
-                    vec![openai::error_body(
-                        &e.to_string(),
-                        "server_error",
-                        None,
-                        None,
-                    )],
-                    (rx, true),
-                )),
-                Some(Event::Started { .. }) | None => None,
+                let out = match rx.recv().await {
+                    Some(Event::Text(t)) => {
+                        text.push_str(&t);
+                        return Some((d.stream_text(&g, &t), (rx, text, false)));
+                    }
+                    Some(Event::Done { finish, usage }) => {
+                        d.stream_end(&g, &text, finish, &usage, include_usage)
+                    }
+                    Some(Event::Failed(e)) => d.stream_error(&g, &e.to_string()),
+                    Some(Event::Started { .. }) | None => d.stream_error(&g, "the engine stopped"),
+                };
+                Some((out, (rx, text, true)))
             }
-        }
-    })
+        },
+    )
     .flat_map(stream::iter);
-    let events = head
-        .chain(body)
-        .map(|v| Ok::<_, Infallible>(SseEvent::default().data(v.to_string())))
-        .chain(stream::once(async {
-            Ok(SseEvent::default().data("[DONE]"))
-        }));
-    let mut r = sse(events).into_response();
-    cache_header(&mut r, &usage_hint);
+    let mut r = sse(head.chain(body).map(Ok::<_, Infallible>)).into_response();
+    cache_header(&mut r, &started);
     r
 }
 

@@ -3,6 +3,7 @@
 //! and decides, per request, how much state to reuse (live tokens, live text, disk
 //! checkpoint) before prefilling the rest.
 
+pub mod dialect;
 pub mod http;
 pub mod openai;
 pub mod persist;

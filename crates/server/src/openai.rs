@@ -1,50 +1,18 @@
 //! The OpenAI dialects: `/v1/chat/completions` and the legacy `/v1/completions`.
-//! Requests are parsed into a [`Prompt`] plus generation settings; responses and SSE
-//! chunks are built in OpenAI's shapes, usage included.
+//! Requests are parsed into a [`Request`]; responses and SSE chunks are built in
+//! OpenAI's shapes, usage included.
 
+use axum::http::StatusCode;
+use axum::response::sse::Event as SseEvent;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
 use ds4_chat::{Message, Role};
 use ds4_engine::SamplerConfig;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::dialect::{data, BadRequest, Dialect, ErrorKind, Gen, Input, Request};
 use crate::worker::{FinishReason, Usage};
-
-/// A request in the engine's terms.
-#[derive(Debug)]
-pub struct Parsed {
-    /// The `model` the client asked for, echoed back; `None` echoes the served one.
-    pub model: Option<String>,
-    pub input: Input,
-    pub sampling: SamplerConfig,
-    pub max_tokens: Option<usize>,
-    pub stop: Vec<String>,
-    pub stream: bool,
-    pub include_usage: bool,
-}
-
-#[derive(Debug)]
-pub enum Input {
-    Messages(Vec<Message>),
-    Raw(String),
-}
-
-/// A request the server refuses, with OpenAI's error fields.
-#[derive(Debug, PartialEq)]
-pub struct BadRequest {
-    pub message: String,
-    pub param: Option<&'static str>,
-    pub code: Option<&'static str>,
-}
-
-impl BadRequest {
-    fn new(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        BadRequest {
-            message: message.into(),
-            param,
-            code: None,
-        }
-    }
-}
 
 #[derive(Deserialize)]
 struct Common {
@@ -110,7 +78,7 @@ fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, BadRequest> {
         .map_err(|e| BadRequest::new(format!("invalid JSON request: {e}"), None))
 }
 
-fn common(c: Common) -> Result<Parsed, BadRequest> {
+fn common(c: Common) -> Result<Request, BadRequest> {
     if c.n.is_some_and(|n| n != 1) {
         return Err(BadRequest::new("only n = 1 is supported", Some("n")));
     }
@@ -216,7 +184,7 @@ fn common(c: Common) -> Result<Parsed, BadRequest> {
     }
     sampling.seed = c.seed.unwrap_or_else(clock_seed);
     let max_tokens = c.max_completion_tokens.or(c.max_tokens).map(|n| n as usize);
-    Ok(Parsed {
+    Ok(Request {
         model: c.model,
         input: Input::Raw(String::new()),
         sampling,
@@ -254,12 +222,14 @@ fn content_text(v: Option<Value>, i: usize) -> Result<String, BadRequest> {
                             ))
                         }
                     },
-                    Some(other) => return Err(BadRequest::new(
-                        format!(
+                    Some(other) => {
+                        return Err(BadRequest::new(
+                            format!(
                             "messages[{i}].content: {other} parts are not supported (text only)"
                         ),
-                        Some("messages"),
-                    )),
+                            Some("messages"),
+                        ))
+                    }
                 }
             }
             Ok(out)
@@ -271,7 +241,7 @@ fn content_text(v: Option<Value>, i: usize) -> Result<String, BadRequest> {
     }
 }
 
-pub fn parse_chat(body: &[u8]) -> Result<Parsed, BadRequest> {
+pub fn parse_chat(body: &[u8]) -> Result<Request, BadRequest> {
     let b: ChatBody = parse_json(body)?;
     let mut p = common(b.common)?;
     let msgs = b
@@ -292,12 +262,14 @@ pub fn parse_chat(body: &[u8]) -> Result<Parsed, BadRequest> {
                     Some("messages"),
                 ))
             }
-            other => return Err(BadRequest::new(
-                format!(
+            other => {
+                return Err(BadRequest::new(
+                    format!(
                     "messages[{i}]: unknown role {other:?} (system, developer, user, assistant)"
                 ),
-                Some("messages"),
-            )),
+                    Some("messages"),
+                ))
+            }
         };
         out.push(Message::new(role, content_text(m.content, i)?));
     }
@@ -305,7 +277,7 @@ pub fn parse_chat(body: &[u8]) -> Result<Parsed, BadRequest> {
     Ok(p)
 }
 
-pub fn parse_completion(body: &[u8]) -> Result<Parsed, BadRequest> {
+pub fn parse_completion(body: &[u8]) -> Result<Request, BadRequest> {
     let b: CompletionBody = parse_json(body)?;
     let mut p = common(b.common)?;
     let prompt = match b.prompt {
@@ -345,72 +317,116 @@ pub enum Kind {
     Completion,
 }
 
-pub fn response(
-    kind: Kind,
-    id: &str,
-    created: u64,
-    model: &str,
-    text: &str,
-    finish: FinishReason,
-    u: &Usage,
-) -> Value {
-    match kind {
-        Kind::Chat => json!({
-            "id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{ "index": 0, "message": { "role": "assistant", "content": text },
-                          "logprobs": null, "finish_reason": finish.as_str() }],
-            "usage": usage_json(u),
-        }),
-        Kind::Completion => json!({
-            "id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{ "index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str() }],
-            "usage": usage_json(u),
-        }),
-    }
-}
+/// The OpenAI wire format of one endpoint.
+pub struct OpenAi(pub Kind);
 
-/// One streaming chunk: a text delta (`text`), the role opener (`role_only`), or the
-/// closing chunk (`finish`).
-pub fn chunk(
-    kind: Kind,
-    id: &str,
-    created: u64,
-    model: &str,
-    text: Option<&str>,
-    finish: Option<FinishReason>,
-) -> Value {
-    let finish = finish.map(FinishReason::as_str);
-    match kind {
-        Kind::Chat => {
-            let delta = match text {
-                Some(t) => json!({ "content": t }),
-                None if finish.is_none() => json!({ "role": "assistant", "content": "" }),
-                None => json!({}),
-            };
-            json!({
-                "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish }],
-            })
+impl OpenAi {
+    fn object(&self, streaming: bool) -> &'static str {
+        match (self.0, streaming) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Completion, _) => "text_completion",
         }
-        Kind::Completion => json!({
-            "id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{ "index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish }],
-        }),
+    }
+
+    /// One streaming chunk: a text delta, the role opener (`text` and `finish`
+    /// both `None`), or the closing chunk (`finish`).
+    pub fn chunk(&self, g: &Gen, text: Option<&str>, finish: Option<FinishReason>) -> Value {
+        let finish = finish.map(FinishReason::as_str);
+        let choice = match self.0 {
+            Kind::Chat => {
+                let delta = match text {
+                    Some(t) => json!({ "content": t }),
+                    None if finish.is_none() => json!({ "role": "assistant", "content": "" }),
+                    None => json!({}),
+                };
+                json!({ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish })
+            }
+            Kind::Completion => {
+                json!({ "index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish })
+            }
+        };
+        json!({ "id": g.id, "object": self.object(true), "created": g.created, "model": g.model, "choices": [choice] })
     }
 }
 
-/// The usage-only chunk sent before `[DONE]` with `stream_options.include_usage`.
-pub fn usage_chunk(kind: Kind, id: &str, created: u64, model: &str, u: &Usage) -> Value {
-    let object = if kind == Kind::Chat {
-        "chat.completion.chunk"
-    } else {
-        "text_completion"
+/// OpenAI's error body.
+pub fn error_body(message: &str, kind: ErrorKind, param: Option<&str>) -> Value {
+    let (ty, code) = match kind {
+        ErrorKind::InvalidRequest => ("invalid_request_error", None),
+        ErrorKind::ContextLength => ("invalid_request_error", Some("context_length_exceeded")),
+        ErrorKind::Authentication => ("authentication_error", Some("invalid_api_key")),
+        ErrorKind::NotFound => ("not_found_error", None),
+        ErrorKind::Overloaded => ("server_error", Some("overloaded")),
+        ErrorKind::Server => ("server_error", None),
     };
-    json!({ "id": id, "object": object, "created": created, "model": model, "choices": [], "usage": usage_json(u) })
+    json!({ "error": { "message": message, "type": ty, "param": param, "code": code } })
 }
 
-pub fn error_body(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> Value {
-    json!({ "error": { "message": message, "type": kind, "param": param, "code": code } })
+impl Dialect for OpenAi {
+    fn id_prefix(&self) -> &'static str {
+        match self.0 {
+            Kind::Chat => "chatcmpl",
+            Kind::Completion => "cmpl",
+        }
+    }
+
+    fn error(&self, status: StatusCode, message: &str, kind: ErrorKind) -> Response {
+        (status, Json(error_body(message, kind, None))).into_response()
+    }
+
+    fn bad_request(&self, e: BadRequest) -> Response {
+        let body = error_body(&e.message, ErrorKind::InvalidRequest, e.param);
+        (StatusCode::BAD_REQUEST, Json(body)).into_response()
+    }
+
+    fn complete(&self, g: &Gen, text: &str, finish: FinishReason, u: &Usage) -> Value {
+        let choice = match self.0 {
+            Kind::Chat => json!({ "index": 0, "message": { "role": "assistant", "content": text },
+                                  "logprobs": null, "finish_reason": finish.as_str() }),
+            Kind::Completion => {
+                json!({ "index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str() })
+            }
+        };
+        json!({ "id": g.id, "object": self.object(false), "created": g.created, "model": g.model,
+                "choices": [choice], "usage": usage_json(u) })
+    }
+
+    fn stream_start(&self, g: &Gen, _started: &Usage) -> Vec<SseEvent> {
+        match self.0 {
+            Kind::Chat => vec![data(&self.chunk(g, None, None))],
+            Kind::Completion => vec![],
+        }
+    }
+
+    fn stream_text(&self, g: &Gen, text: &str) -> Vec<SseEvent> {
+        vec![data(&self.chunk(g, Some(text), None))]
+    }
+
+    fn stream_end(
+        &self,
+        g: &Gen,
+        _text: &str,
+        finish: FinishReason,
+        u: &Usage,
+        include_usage: bool,
+    ) -> Vec<SseEvent> {
+        let mut out = vec![data(&self.chunk(g, None, Some(finish)))];
+        if include_usage {
+            let v = json!({ "id": g.id, "object": self.object(true), "created": g.created, "model": g.model,
+                            "choices": [], "usage": usage_json(u) });
+            out.push(data(&v));
+        }
+        out.push(SseEvent::default().data("[DONE]"));
+        out
+    }
+
+    fn stream_error(&self, _g: &Gen, message: &str) -> Vec<SseEvent> {
+        vec![
+            data(&error_body(message, ErrorKind::Server, None)),
+            SseEvent::default().data("[DONE]"),
+        ]
+    }
 }
 
 #[cfg(test)]
@@ -474,15 +490,21 @@ mod tests {
 
     #[test]
     fn chunks_have_openai_shapes() {
-        let c = chunk(Kind::Chat, "id", 1, "m", None, None);
+        let g = Gen {
+            id: "id".into(),
+            created: 1,
+            model: "m".into(),
+        };
+        let chat = OpenAi(Kind::Chat);
+        let c = chat.chunk(&g, None, None);
         assert_eq!(
             c["choices"][0]["delta"],
             json!({"role":"assistant","content":""})
         );
-        let c = chunk(Kind::Chat, "id", 1, "m", Some("hi"), None);
+        let c = chat.chunk(&g, Some("hi"), None);
         assert_eq!(c["choices"][0]["delta"]["content"], "hi");
         assert!(c["choices"][0]["finish_reason"].is_null());
-        let c = chunk(Kind::Chat, "id", 1, "m", None, Some(FinishReason::Length));
+        let c = chat.chunk(&g, None, Some(FinishReason::Length));
         assert_eq!(
             (
                 c["choices"][0]["delta"].clone(),
