@@ -3,7 +3,12 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use ds4_server::metrics::Metrics;
 use ds4_server::persist::Persist;
+use ds4_server::trace::Trace;
 use ds4_server::{router, ServerConfig, Worker};
 
 use crate::generate::{load, Loaded};
@@ -36,6 +41,12 @@ pub struct ServeArgs {
     /// Tokens generated when a request sets no limit.
     #[arg(short = 'n', long = "tokens", default_value_t = 2048)]
     pub default_max_tokens: usize,
+    /// Write one JSON line per request and per cache decision to FILE (0600).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// In the trace, show prompts only as SHA-1 and length.
+    #[arg(long, requires = "trace")]
+    pub trace_redact: bool,
 }
 
 pub fn run(a: &ServeArgs) -> Result<()> {
@@ -46,7 +57,15 @@ pub fn run(a: &ServeArgs) -> Result<()> {
     } = load(&a.model)?;
     let store = a.kv.open(Some(crate::models::ds4_home()?.join("kv")))?;
     let persist = store.map(|s| Persist::new(s, &session));
-    let worker = Worker::start(session, persist, a.queue_max);
+    let metrics = Arc::new(Metrics::default());
+    let trace = match &a.trace {
+        Some(f) => Some(Arc::new(
+            Trace::create(f, a.trace_redact)
+                .with_context(|| format!("creating the trace file {}", f.display()))?,
+        )),
+        None => None,
+    };
+    let worker = Worker::start(session, persist, a.queue_max, Arc::clone(&metrics), trace);
     let cfg = ServerConfig {
         api_key: a.api_key.clone(),
         cors: a.cors,
@@ -56,7 +75,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
             .file_stem()
             .map_or_else(|| "ds4".into(), |s| s.to_string_lossy().into_owned()),
     };
-    let app = router(cfg, worker.handle.clone(), model);
+    let app = router(cfg, worker.handle.clone(), model, metrics);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -516,7 +516,8 @@ fn restart_resumes_from_the_disk_checkpoint_with_identical_output() {
         "{log}"
     );
 
-    let srv = Server::start(&args);
+    let trace = dir.join("trace.jsonl");
+    let srv = Server::start(&[&args[..], &["--trace", trace.to_str().unwrap()]].concat());
     let r = post(
         srv.port,
         "/v1/chat/completions",
@@ -539,6 +540,54 @@ fn restart_resumes_from_the_disk_checkpoint_with_identical_output() {
         "restart changed the output"
     );
     assert_eq!(b2["usage"]["prompt_tokens"], b1["usage"]["prompt_tokens"]);
+    let lines: Vec<Value> = std::fs::read_to_string(&trace)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let cache = lines.iter().find(|l| l["event"] == "cache").unwrap();
+    assert_eq!(cache["cache_source"], "disk-text");
+    assert!(cache["checkpoint_file"].as_str().unwrap().ends_with(".kv"));
+    let req = lines.iter().find(|l| l["event"] == "request").unwrap();
+    assert_eq!(req["route"], "/v1/chat/completions");
+    assert_eq!(
+        req["generated_text"],
+        b2["choices"][0]["message"]["content"]
+    );
+    assert!(req["prompt"]["prompt"]
+        .as_str()
+        .unwrap()
+        .contains("And of Italy?"));
+    assert_eq!(
+        req["reused_tokens"],
+        b2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    );
     drop(srv);
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn metrics_count_requests_tokens_and_cache_hits() {
+    let srv = Server::start(&["--no-kv-disk"]);
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0});
+    post(srv.port, "/v1/completions", &body);
+    post(srv.port, "/v1/completions", &body);
+    request(srv.port, "GET", "/nope", b"", &[]);
+    let r = request(srv.port, "GET", "/metrics", b"", &[]);
+    assert_eq!(r.status, 200);
+    assert!(r.header("content-type").unwrap().starts_with("text/plain"));
+    let has = |line: &str| r.body.lines().any(|l| l == line);
+    for line in [
+        "ds4_requests_total{route=\"/v1/completions\",status=\"200\"} 2",
+        "ds4_requests_total{route=\"other\",status=\"404\"} 1",
+        "ds4_prompt_tokens_total 10",
+        "ds4_cached_tokens_total 5",
+        "ds4_generated_tokens_total 6",
+        "ds4_cache_hits_total{source=\"none\"} 1",
+        "ds4_cache_hits_total{source=\"memory-token\"} 1",
+    ] {
+        assert!(has(line), "{line:?} missing:\n{}", r.body);
+    }
+    // The worker may still be finishing the last job's bookkeeping.
+    assert!(has("ds4_queue_depth 0") || has("ds4_queue_depth 1"), "{}", r.body);
 }

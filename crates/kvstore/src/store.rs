@@ -393,11 +393,14 @@ impl Store {
 
     /// Sum of the sizes of the indexed valid checkpoints (as of the last scan).
     pub fn total_bytes(&self) -> u64 {
-        self.lock()
-            .files
-            .values()
-            .filter_map(|s| s.result.as_ref().ok().map(|e| e.file_bytes))
-            .sum()
+        self.usage().1
+    }
+
+    /// Number and total size of the indexed valid checkpoints (as of the last scan).
+    pub fn usage(&self) -> (usize, u64) {
+        let st = self.lock();
+        let valid = st.files.values().filter_map(|s| s.result.as_ref().ok());
+        valid.fold((0, 0), |(n, b), e| (n + 1, b + e.file_bytes))
     }
 
     /// Re-scan the directory (headers of new or changed files only).

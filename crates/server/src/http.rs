@@ -23,6 +23,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::dialect::{Dialect, ErrorKind, Gen, Input, Request};
+use crate::metrics::Metrics;
 use crate::openai::{self, Kind, OpenAi};
 use crate::worker::{Event, Job, JobError, SubmitError, Usage, WorkerHandle};
 
@@ -44,11 +45,17 @@ pub(crate) struct AppState {
     /// The served model, for tokenizing on the HTTP side (token counts).
     pub model: Arc<Model>,
     pub template: Option<ChatMl>,
+    pub metrics: Arc<Metrics>,
     next_id: AtomicU64,
 }
 
 /// Builds the router over a running worker of `model`.
-pub fn router(cfg: ServerConfig, worker: WorkerHandle, model: Arc<Model>) -> Router {
+pub fn router(
+    cfg: ServerConfig,
+    worker: WorkerHandle,
+    model: Arc<Model>,
+    metrics: Arc<Metrics>,
+) -> Router {
     let max_body = cfg.max_body_bytes;
     let template = model.chat_template().and_then(ChatMl::from_template);
     let state = Arc::new(AppState {
@@ -56,13 +63,20 @@ pub fn router(cfg: ServerConfig, worker: WorkerHandle, model: Arc<Model>) -> Rou
         worker,
         model,
         template,
+        metrics,
         next_id: AtomicU64::new(1),
     });
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(crate::anthropic::messages))
+        .route(
+            "/v1/messages/count_tokens",
+            post(crate::anthropic::count_tokens),
+        )
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body))
@@ -72,7 +86,10 @@ pub fn router(cfg: ServerConfig, worker: WorkerHandle, model: Arc<Model>) -> Rou
 
 /// The dialect whose error shape answers a request to `path` that no handler
 /// parsed (authentication, body size, unknown routes).
-fn dialect_for_path(_path: &str) -> Arc<dyn Dialect> {
+fn dialect_for_path(path: &str) -> Arc<dyn Dialect> {
+    if path.starts_with("/v1/messages") {
+        return Arc::new(crate::anthropic::Anthropic);
+    }
     Arc::new(OpenAi(Kind::Chat))
 }
 
@@ -97,7 +114,8 @@ async fn method_not_allowed(req: HttpRequest) -> Response {
 /// API key check, CORS headers and preflight, and dialect-shaped errors for
 /// oversized bodies.
 async fn guard(State(st): State<Arc<AppState>>, req: HttpRequest, next: Next) -> Response {
-    let d = dialect_for_path(req.uri().path());
+    let path = req.uri().path().to_string();
+    let d = dialect_for_path(&path);
     let mut r = if req.method() == Method::OPTIONS {
         StatusCode::NO_CONTENT.into_response()
     } else if !authorized(&st.cfg, req.headers()) {
@@ -107,7 +125,7 @@ async fn guard(State(st): State<Arc<AppState>>, req: HttpRequest, next: Next) ->
             ErrorKind::Authentication,
         )
     } else {
-        let r = next.run(req).await;
+        let r = ROUTE.scope(path.clone(), next.run(req)).await;
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
             let msg = format!(
                 "request body is larger than --max-body-bytes ({})",
@@ -125,7 +143,13 @@ async fn guard(State(st): State<Arc<AppState>>, req: HttpRequest, next: Next) ->
     if st.cfg.cors {
         add_cors(r.headers_mut());
     }
+    st.metrics.request(&path, r.status().as_u16());
     r
+}
+
+tokio::task_local! {
+    /// The path of the request a handler is serving, for the trace.
+    static ROUTE: String;
 }
 
 fn authorized(cfg: &ServerConfig, h: &HeaderMap) -> bool {
@@ -150,6 +174,11 @@ fn add_cors(h: &mut HeaderMap) {
         "access-control-allow-headers",
         HeaderValue::from_static("*"),
     );
+}
+
+async fn metrics_text(State(st): State<Arc<AppState>>) -> Response {
+    let body = st.metrics.render(st.worker.queue_depth());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
@@ -217,7 +246,14 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> R
         Err(msg) => return d.error(StatusCode::BAD_REQUEST, msg, ErrorKind::InvalidRequest),
     };
     let (tx, mut rx) = mpsc::channel(256);
+    let id = format!(
+        "{}-{}",
+        d.id_prefix(),
+        st.next_id.fetch_add(1, Ordering::Relaxed)
+    );
     let job = Job {
+        id: id.clone(),
+        route: ROUTE.try_with(Clone::clone).unwrap_or_default(),
         prompt,
         sampling: p.sampling.clone(),
         max_tokens: p.max_tokens.unwrap_or(st.cfg.default_max_tokens),
@@ -245,11 +281,7 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> R
         }
     }
     let g = Arc::new(Gen {
-        id: format!(
-            "{}-{}",
-            d.id_prefix(),
-            st.next_id.fetch_add(1, Ordering::Relaxed)
-        ),
+        id,
         created: now(),
         model: p.model.clone().unwrap_or_else(|| st.cfg.model_name.clone()),
     });

@@ -3,10 +3,13 @@
 //! and decides, per request, how much state to reuse (live tokens, live text, disk
 //! checkpoint) before prefilling the rest.
 
+pub mod anthropic;
 pub mod dialect;
 pub mod http;
+pub mod metrics;
 pub mod openai;
 pub mod persist;
+pub mod trace;
 pub mod worker;
 
 use std::future::Future;

@@ -6,13 +6,19 @@
 use std::time::Instant;
 
 use ds4_engine::{EngineError, Session};
-use ds4_kvstore::{ModelId, Payload, SaveOutcome, SavePolicy, SaveReason, SaveRequest, Store};
+use ds4_kvstore::{
+    ModelId, Notice, Payload, SaveOutcome, SavePolicy, SaveReason, SaveRequest, Store,
+};
 
-/// Prints and clears the store's pending notices (one line each, on stderr).
-pub fn report_notices(store: &Store) {
+/// Prints and clears the store's pending notices (one line each, on stderr) and
+/// returns how many were evictions.
+pub fn report_notices(store: &Store) -> u64 {
+    let mut evictions = 0;
     for n in store.drain_notices() {
+        evictions += u64::from(matches!(n, Notice::Evicted(_)));
         eprintln!("{n}");
     }
+    evictions
 }
 
 /// How a caller runs one stretch of prefill (with or without a progress bar).
@@ -27,6 +33,10 @@ pub struct Persist {
     /// Tokens written by successful saves so far (per-request differences feed
     /// Anthropic's `cache_creation_input_tokens`).
     saved_tokens: usize,
+    /// Checkpoints evicted by this process's saves.
+    evictions: u64,
+    /// The file of the last checkpoint restored or saved, for the trace.
+    pub last_file: Option<std::path::PathBuf>,
 }
 
 impl Persist {
@@ -40,6 +50,8 @@ impl Persist {
             },
             continued_frontier: 0,
             saved_tokens: 0,
+            evictions: 0,
+            last_file: None,
         }
     }
 
@@ -51,6 +63,12 @@ impl Persist {
     /// Tokens written by successful saves since this was created.
     pub fn saved_tokens(&self) -> usize {
         self.saved_tokens
+    }
+
+    /// Files and bytes in the store, and evictions caused by this process.
+    pub fn store_usage(&self) -> (usize, u64, u64) {
+        let (files, bytes) = self.store.usage();
+        (files, bytes, self.evictions)
     }
 
     pub fn policy(&self) -> SavePolicy {
@@ -97,6 +115,7 @@ impl Persist {
             return 0;
         }
         self.continued_frontier = session.tokens().len();
+        self.last_file = Some(cand.path.clone());
         eprintln!(
             "kv cache hit: restored {} tokens ({} bytes of text) in {:.0} ms from {}",
             session.tokens().len(),
@@ -193,6 +212,7 @@ impl Persist {
                 file_bytes, path, ..
             }) => {
                 self.saved_tokens += n;
+                self.last_file = Some(path.clone());
                 eprintln!(
                     "kv cache stored tokens={n} reason={} size={:.1} MiB save={:.0} ms file={}",
                     reason.as_str(),
@@ -208,6 +228,6 @@ impl Persist {
                 reason.as_str()
             ),
         }
-        report_notices(&self.store);
+        self.evictions += report_notices(&self.store);
     }
 }

@@ -13,7 +13,10 @@ use ds4_engine::{EngineError, Sampler, SamplerConfig, Session};
 use ds4_kvstore::SaveReason;
 use tokio::sync::mpsc as tmpsc;
 
+use crate::metrics::{JobStats, Metrics};
 use crate::persist::Persist;
+use crate::trace::Trace;
+use serde_json::json;
 
 /// Where a request's reused state came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,6 +40,10 @@ impl CacheSource {
 
 /// One generation request, already rendered to prompt text.
 pub struct Job {
+    /// Response id, for the trace.
+    pub id: String,
+    /// The HTTP route it came in on, for the trace.
+    pub route: String,
     pub prompt: String,
     pub sampling: SamplerConfig,
     pub max_tokens: usize,
@@ -152,7 +159,13 @@ pub struct Worker {
 
 impl Worker {
     /// Starts the worker on `session`, with `persist` for disk checkpoints.
-    pub fn start(session: Session, persist: Option<Persist>, queue_max: usize) -> Self {
+    pub fn start(
+        session: Session,
+        persist: Option<Persist>,
+        queue_max: usize,
+        metrics: Arc<Metrics>,
+        trace: Option<Arc<Trace>>,
+    ) -> Self {
         let (tx, rx) = mpsc::sync_channel::<Job>(queue_max.max(1));
         let depth = Arc::new(AtomicUsize::new(0));
         let stopping = Arc::new(AtomicBool::new(false));
@@ -168,6 +181,8 @@ impl Worker {
                     session,
                     persist,
                     stopping,
+                    metrics,
+                    trace,
                 };
                 while let Ok(job) = rx.recv() {
                     state.run(job);
@@ -191,12 +206,24 @@ struct WorkerState {
     session: Session,
     persist: Option<Persist>,
     stopping: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
+    trace: Option<Arc<Trace>>,
 }
 
 impl WorkerState {
     fn run(&mut self, job: Job) {
         if let Err(e) = self.generate(&job) {
+            if let Some(t) = &self.trace {
+                t.write(json!({
+                    "event": "request", "id": job.id, "route": job.route,
+                    "prompt": t.prompt(&job.prompt), "error": e.to_string(),
+                }));
+            }
             let _ = job.events.blocking_send(Event::Failed(e));
+        }
+        if let Some(p) = &self.persist {
+            let (files, bytes, evictions) = p.store_usage();
+            self.metrics.store(files, bytes, evictions);
         }
     }
 
@@ -259,7 +286,18 @@ impl WorkerState {
         if job.prompt.is_empty() {
             return Err(JobError::EmptyPrompt);
         }
+        if let Some(p) = &mut self.persist {
+            p.last_file = None;
+        }
         let (ids, reused, source) = self.plan(&job.prompt);
+        let checkpoint = self.persist.as_ref().and_then(|p| p.last_file.clone());
+        if let Some(t) = &self.trace {
+            t.write(json!({
+                "event": "cache", "id": job.id, "cache_source": source.as_str(), "reused_tokens": reused,
+                "prompt_tokens": ids.len(), "live_tokens_before": self.session.tokens().len().max(reused),
+                "checkpoint_file": checkpoint.as_ref().map(|f| f.display().to_string()),
+            }));
+        }
         let n_ctx = self.session.n_ctx();
         if ids.len() + 1 > n_ctx {
             return Err(JobError::ContextLength {
@@ -300,6 +338,7 @@ impl WorkerState {
         let mut stream = StreamDecoder::default();
         let mut stops = StopMatcher::new(&job.stop);
         let mut generated = 0;
+        let mut output = String::new();
         let mut finish = FinishReason::Length;
         let t1 = Instant::now();
         while generated < job.max_tokens && self.session.tokens().len() < n_ctx {
@@ -320,6 +359,7 @@ impl WorkerState {
                 p.after_decode(&self.session);
             }
             let (emit, stopped) = stops.push(&text);
+            output.push_str(&emit);
             if !emit.is_empty() && job.events.blocking_send(Event::Text(emit)).is_err() {
                 break;
             }
@@ -329,15 +369,35 @@ impl WorkerState {
             }
         }
         let tail = stops.finish(stream.finish());
+        output.push_str(&tail);
         if !tail.is_empty() {
             let _ = job.events.blocking_send(Event::Text(tail));
+        }
+        let decode_s = t1.elapsed().as_secs_f64();
+        self.metrics.job(&JobStats {
+            prompt_tokens: ids.len(),
+            cached_tokens: reused,
+            generated_tokens: generated,
+            prefill_s,
+            decode_s,
+            source,
+        });
+        if let Some(t) = &self.trace {
+            t.write(json!({
+                "event": "request", "id": job.id, "route": job.route, "prompt": t.prompt(&job.prompt),
+                "prompt_tokens": ids.len(), "cache_source": source.as_str(), "reused_tokens": reused,
+                "checkpoint_file": checkpoint.as_ref().map(|f| f.display().to_string()),
+                "prefilled_tokens": ids.len() - reused, "checkpointed_tokens": checkpointed,
+                "prefill_s": prefill_s, "decode_s": decode_s, "generated_tokens": generated,
+                "generated_text": output, "finish_reason": finish.as_str(),
+            }));
         }
         eprintln!(
             "request: cache={} reused={reused} prompt={} prefill={:.2}s generated={generated} decode={:.2}s finish={}",
             source.as_str(),
             ids.len(),
             prefill_s,
-            t1.elapsed().as_secs_f64(),
+            decode_s,
             finish.as_str()
         );
         let _ = job.events.blocking_send(Event::Done {
