@@ -589,5 +589,9 @@ fn metrics_count_requests_tokens_and_cache_hits() {
         assert!(has(line), "{line:?} missing:\n{}", r.body);
     }
     // The worker may still be finishing the last job's bookkeeping.
-    assert!(has("ds4_queue_depth 0") || has("ds4_queue_depth 1"), "{}", r.body);
+    assert!(
+        has("ds4_queue_depth 0") || has("ds4_queue_depth 1"),
+        "{}",
+        r.body
+    );
 }

@@ -74,6 +74,7 @@ pub fn router(
             "/v1/messages/count_tokens",
             post(crate::anthropic::count_tokens),
         )
+        .route("/v1/responses", post(crate::responses::create))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))

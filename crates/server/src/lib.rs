@@ -9,6 +9,7 @@ pub mod http;
 pub mod metrics;
 pub mod openai;
 pub mod persist;
+pub mod responses;
 pub mod trace;
 pub mod worker;
 

@@ -1,0 +1,400 @@
+//! `ds4 serve` over real loopback HTTP, OpenAI Responses dialect: the response
+//! object, the typed SSE event sequence, usage with prefix reuse, the output limit,
+//! and 400s in OpenAI's error shape.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Server {
+    fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ds4"))
+            .args(["serve", "--port", "0", "--threads", "1"])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawning ds4 serve");
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let port = loop {
+            let line = lines.next().expect("ds4 serve exited early").unwrap();
+            if let Some(addr) = line.strip_prefix("ds4 serve: listening on http://") {
+                break addr.rsplit(':').next().unwrap().parse().unwrap();
+            }
+        };
+        // Keep draining stderr so the server never blocks on a full pipe.
+        std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
+        Server { child, port }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Reply {
+    status: u16,
+    headers: String,
+    body: String,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+
+    fn header(&self, name: &str) -> Option<String> {
+        self.headers.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+        })
+    }
+}
+
+fn request(port: u16, method: &str, path: &str, body: &[u8], extra: &[(&str, &str)]) -> Reply {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in extra {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (headers, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let status = headers.split(' ').nth(1).unwrap().parse().unwrap();
+    let body = if headers
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(body)
+    } else {
+        body.to_string()
+    };
+    Reply {
+        status,
+        headers: headers.to_string(),
+        body,
+    }
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+fn post(port: u16, path: &str, body: &Value) -> Reply {
+    request(port, "POST", path, body.to_string().as_bytes(), &[])
+}
+
+/// The `(event name, data)` pairs of an SSE body (keep-alive comments skipped).
+fn sse_events(body: &str) -> Vec<(String, Value)> {
+    body.split("\n\n")
+        .filter_map(|block| {
+            let mut name = None;
+            let mut data = None;
+            for l in block.lines() {
+                if let Some(n) = l.strip_prefix("event: ") {
+                    name = Some(n.to_string());
+                } else if let Some(d) = l.strip_prefix("data: ") {
+                    data = Some(serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")));
+                }
+            }
+            Some((name?, data?))
+        })
+        .collect()
+}
+
+fn ask(extra: Value) -> Value {
+    let mut b = json!({
+        "model": "anything",
+        "input": "What is the capital of France?",
+        "temperature": 0,
+        "max_output_tokens": 24,
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        b[k] = v.clone();
+    }
+    b
+}
+
+fn output_text(v: &Value) -> String {
+    assert_eq!(v["output"].as_array().unwrap().len(), 1, "{v}");
+    let item = &v["output"][0];
+    assert_eq!(
+        (&item["type"], &item["role"]),
+        (&json!("message"), &json!("assistant")),
+        "{v}"
+    );
+    assert_eq!(item["content"][0]["type"], "output_text");
+    item["content"][0]["text"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn responses_answer_stream_and_reuse_the_prompt() {
+    let srv = Server::start(&["--no-kv-disk"]);
+    let p = srv.port;
+
+    let r = post(p, "/v1/responses", &ask(json!({})));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let answer = output_text(&v);
+    assert!(answer.contains("Paris"), "{answer}");
+    assert!(v["id"].as_str().unwrap().starts_with("resp_"), "{v}");
+    assert!(v["output"][0]["id"].as_str().unwrap().starts_with("msg_"));
+    assert_eq!(
+        (&v["object"], &v["model"]),
+        (&json!("response"), &json!("anything"))
+    );
+    assert!(v["created_at"].as_u64().unwrap() > 0);
+    let u = &v["usage"];
+    let input = u["input_tokens"].as_u64().unwrap();
+    let output = u["output_tokens"].as_u64().unwrap();
+    assert!(input > 0 && output > 0, "{u}");
+    assert_eq!(u["total_tokens"], input + output);
+    assert_eq!(u["input_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(u["output_tokens_details"]["reasoning_tokens"], 0);
+    // The answer fits in the limit.
+    assert_eq!(v["status"], "completed", "{v}");
+    assert!(v["incomplete_details"].is_null());
+    assert_eq!(v["output"][0]["status"], "completed");
+
+    // The same request again: the prompt comes from the live session.
+    let r = post(p, "/v1/responses", &ask(json!({})));
+    let v2 = r.json();
+    let cached = v2["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 0 && cached <= input, "cached {cached} of {input}");
+    assert_eq!(output_text(&v2), answer);
+    assert!(r.header("x-ds4-cache").unwrap().starts_with("memory-token"));
+
+    // Streaming: the SDKs' event sequence, numbered, with the same text.
+    let r = post(p, "/v1/responses", &ask(json!({"stream": true})));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let evs = sse_events(&r.body);
+    let names: Vec<&str> = evs.iter().map(|(n, _)| n.as_str()).collect();
+    let n_delta = names
+        .iter()
+        .filter(|n| **n == "response.output_text.delta")
+        .count();
+    assert!(n_delta > 0);
+    let mut want = vec![
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ];
+    want.extend(std::iter::repeat_n("response.output_text.delta", n_delta));
+    want.extend([
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]);
+    assert_eq!(names, want);
+    for (i, (name, data)) in evs.iter().enumerate() {
+        assert_eq!(data["type"], name.as_str());
+        assert_eq!(data["sequence_number"], i, "{name}");
+    }
+    let msg_id = evs[2].1["item"]["id"].as_str().unwrap();
+    let streamed: String = evs
+        .iter()
+        .filter(|(n, _)| n == "response.output_text.delta")
+        .map(|(_, d)| {
+            assert_eq!(
+                (&d["item_id"], &d["output_index"], &d["content_index"]),
+                (&json!(msg_id), &json!(0), &json!(0))
+            );
+            d["delta"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(streamed, answer);
+    assert_eq!(evs[0].1["response"]["status"], "in_progress");
+    let done = &evs[evs.len() - 4].1;
+    assert_eq!(done["text"], answer.as_str());
+    let fin = &evs[evs.len() - 1].1["response"];
+    assert_eq!((&fin["status"], &fin["model"]), (&v["status"], &v["model"]));
+    assert_eq!(output_text(fin), answer);
+    assert_eq!(fin["usage"]["input_tokens"], input);
+    assert_eq!(fin["usage"]["output_tokens"], output);
+    assert!(
+        fin["usage"]["input_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+
+    // The output limit: an incomplete response, streamed or not.
+    let v = post(p, "/v1/responses", &ask(json!({"max_output_tokens": 2}))).json();
+    assert_eq!(v["status"], "incomplete", "{v}");
+    assert_eq!(v["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(v["output"][0]["status"], "incomplete");
+    assert_eq!(v["usage"]["output_tokens"], 2);
+    let short = output_text(&v);
+    assert!(answer.starts_with(&short), "{short:?} vs {answer:?}");
+    let r = post(
+        p,
+        "/v1/responses",
+        &ask(json!({"max_output_tokens": 2, "stream": true})),
+    );
+    let evs = sse_events(&r.body);
+    let (name, last) = evs.last().unwrap();
+    assert_eq!(name, "response.incomplete");
+    assert_eq!(
+        last["response"]["incomplete_details"]["reason"],
+        "max_output_tokens"
+    );
+
+    // Item input with instructions, as agents send it; ignored fields are fine.
+    let v = post(
+        p,
+        "/v1/responses",
+        &json!({
+            "instructions": "You are a helpful assistant.",
+            "input": [{"type": "message", "role": "user",
+                       "content": [{"type": "input_text", "text": "What is the capital of France?"}]}],
+            "temperature": 0, "max_output_tokens": 24, "store": false,
+            "metadata": {"k": "v"}, "user": "u", "parallel_tool_calls": false,
+            "truncation": "auto", "reasoning": {"effort": "none"},
+        }),
+    )
+    .json();
+    assert!(output_text(&v).contains("Paris"), "{v}");
+    assert_eq!(v["metadata"], json!({"k": "v"}));
+    assert_eq!(v["instructions"], "You are a helpful assistant.");
+}
+
+#[test]
+fn responses_errors_are_400s_in_openais_shape() {
+    let srv = Server::start(&["--no-kv-disk", "--ctx", "64"]);
+    let p = srv.port;
+    let cases: Vec<(Reply, u16, Option<&str>, &str)> = vec![
+        (
+            request(p, "POST", "/v1/responses", b"{\"input\": ", &[]),
+            400,
+            None,
+            "invalid JSON request",
+        ),
+        (
+            post(
+                p,
+                "/v1/responses",
+                &json!({"input": "x", "max_output_tokens": "9"}),
+            ),
+            400,
+            None,
+            "invalid type",
+        ),
+        (
+            post(p, "/v1/responses", &json!({})),
+            400,
+            Some("input"),
+            "missing `input`",
+        ),
+        (
+            post(
+                p,
+                "/v1/responses",
+                &json!({"input": [{"role": "user", "content": [
+                    {"type": "input_text", "text": "What is this?"},
+                    {"type": "input_image", "image_url": "https://example.com/a.png"}]}]}),
+            ),
+            400,
+            Some("input"),
+            "input_image parts are not supported",
+        ),
+        (
+            post(
+                p,
+                "/v1/responses",
+                &json!({"input": "x", "previous_response_id": "resp_1"}),
+            ),
+            400,
+            Some("previous_response_id"),
+            "replay the full input",
+        ),
+        (
+            post(
+                p,
+                "/v1/responses",
+                &json!({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}),
+            ),
+            400,
+            Some("tools"),
+            "tools are not supported yet",
+        ),
+        (
+            post(
+                p,
+                "/v1/responses",
+                &json!({"input": [{"type": "function_call_output", "call_id": "c", "output": "ok"}]}),
+            ),
+            400,
+            Some("input"),
+            "function_call_output items are not supported yet",
+        ),
+        (
+            post(p, "/v1/responses", &json!({"input": "word ".repeat(200)})),
+            400,
+            None,
+            "maximum context length is 64",
+        ),
+        (
+            request(p, "GET", "/v1/responses", b"", &[]),
+            405,
+            None,
+            "not allowed",
+        ),
+    ];
+    for (i, (r, status, param, msg)) in cases.iter().enumerate() {
+        assert_eq!(r.status, *status, "case {i}: {}", r.body);
+        let e = &r.json()["error"];
+        let m = e["message"].as_str().unwrap_or_default();
+        assert!(m.contains(msg), "case {i}: {m:?} lacks {msg:?}");
+        assert_eq!(e["type"], "invalid_request_error", "case {i}");
+        assert_eq!(e["param"].as_str(), *param, "case {i}");
+        assert!(e.get("code").is_some(), "case {i}: {e}");
+    }
+    assert_eq!(
+        cases[7].0.json()["error"]["code"],
+        "context_length_exceeded"
+    );
+    // The server keeps serving.
+    let v = post(
+        p,
+        "/v1/responses",
+        &json!({"input": "Hi", "max_output_tokens": 2, "temperature": 0}),
+    )
+    .json();
+    assert_eq!(v["status"], "incomplete", "{v}");
+}

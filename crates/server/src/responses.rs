@@ -1,0 +1,913 @@
+//! The OpenAI Responses dialect, `POST /v1/responses`: text in, one assistant
+//! message out, as a response object or the typed SSE events the official SDKs
+//! consume (`response.created` … `response.completed`).
+//!
+//! Stateless by design: the server keeps no responses, so `previous_response_id`,
+//! `conversation` and `background` are refused and clients replay the full input
+//! (the live session still reuses the shared prompt prefix). Tool calling
+//! (`tools`, `function_call*` items) and reasoning (`reasoning.effort` above
+//! `minimal`, `reasoning` items) are not supported yet and are refused with a 400
+//! rather than ignored, so a client never silently loses what it asked for.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::Event as SseEvent;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use ds4_chat::{Message, Role};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::dialect::{named, BadRequest, Dialect, ErrorKind, Gen, Input, Request};
+use crate::http::{run, AppState};
+use crate::openai::{default_sampling, error_body};
+use crate::worker::{FinishReason, Usage};
+
+/// The request fields we read. `store`, `metadata`, `user`,
+/// `parallel_tool_calls` and `truncation` are type-checked and otherwise ignored
+/// (the response object echoes `metadata`, `user` and `parallel_tool_calls`, and
+/// states `store: false`, `truncation: "disabled"`, which is what happens). Fields
+/// not listed (`include`, `prompt_cache_key`, `service_tier`, …) are ignored.
+#[derive(Deserialize)]
+struct Body {
+    model: Option<String>,
+    input: Option<Value>,
+    instructions: Option<String>,
+    max_output_tokens: Option<u64>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    stream: Option<bool>,
+    #[allow(dead_code)] // accepted so that a wrong type is still a 400
+    store: Option<bool>,
+    metadata: Option<Value>,
+    user: Option<String>,
+    parallel_tool_calls: Option<bool>,
+    #[allow(dead_code)]
+    truncation: Option<String>,
+    previous_response_id: Option<String>,
+    conversation: Option<Value>,
+    background: Option<bool>,
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    reasoning: Option<Reasoning>,
+    text: Option<TextConfig>,
+    top_logprobs: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct Reasoning {
+    effort: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct TextConfig {
+    format: Option<TextFormat>,
+}
+
+#[derive(Deserialize)]
+struct TextFormat {
+    #[serde(rename = "type")]
+    ty: String,
+}
+
+/// Request parameters a response object echoes back (OpenAI returns them in
+/// every response object, streamed or not).
+#[derive(Debug, Default)]
+struct Echo {
+    instructions: Option<String>,
+    max_output_tokens: Option<u64>,
+    temperature: f32,
+    top_p: f32,
+    metadata: Value,
+    user: Option<String>,
+    parallel_tool_calls: bool,
+    tool_choice: Value,
+    reasoning_effort: Option<String>,
+}
+
+/// The Responses wire format of one request. It is built per request: it echoes
+/// that request's parameters and numbers that stream's events.
+#[derive(Debug, Default)]
+pub struct Responses {
+    echo: Echo,
+    /// `sequence_number` of the next SSE event.
+    seq: AtomicU64,
+    /// The text streamed so far, for the `response.failed` object.
+    streamed: Mutex<String>,
+}
+
+fn bad(message: impl Into<String>, param: &'static str) -> BadRequest {
+    BadRequest::new(message, Some(param))
+}
+
+/// Parses a `/v1/responses` body into the engine request and the dialect that
+/// will answer it.
+pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
+    let b: Body = serde_json::from_slice(body)
+        .map_err(|e| BadRequest::new(format!("invalid JSON request: {e}"), None))?;
+    if b.previous_response_id.is_some() {
+        return Err(bad(
+            "previous_response_id is not supported: this server keeps no responses; replay the full input instead",
+            "previous_response_id",
+        ));
+    }
+    if b.conversation.as_ref().is_some_and(|c| !c.is_null()) {
+        return Err(bad(
+            "conversation is not supported: this server keeps no conversations; replay the full input instead",
+            "conversation",
+        ));
+    }
+    if b.background == Some(true) {
+        return Err(bad(
+            "background mode is not supported (it needs stored responses)",
+            "background",
+        ));
+    }
+    if b.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(bad(
+            "tools are not supported yet on /v1/responses; send no tools",
+            "tools",
+        ));
+    }
+    match &b.tool_choice {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s == "auto" || s == "none" => {}
+        Some(Value::String(s)) => {
+            return Err(bad(
+                format!("tool_choice={s} is not supported (no tools)"),
+                "tool_choice",
+            ))
+        }
+        Some(_) => {
+            return Err(bad(
+                "forced tool_choice is not supported (no tools)",
+                "tool_choice",
+            ))
+        }
+    }
+    let effort = b.reasoning.and_then(|r| r.effort);
+    if let Some(e) = effort.as_deref() {
+        if e != "none" && e != "minimal" {
+            return Err(bad(
+                format!("reasoning effort {e:?} is not supported yet: this server does not run a reasoning mode; omit `reasoning` or use effort \"none\""),
+                "reasoning",
+            ));
+        }
+    }
+    if let Some(f) = b.text.and_then(|t| t.format) {
+        if f.ty != "text" {
+            return Err(bad(
+                format!("text.format {:?} is not supported (only \"text\")", f.ty),
+                "text",
+            ));
+        }
+    }
+    if b.top_logprobs.is_some_and(|n| n > 0) {
+        return Err(bad("logprobs are not supported yet", "top_logprobs"));
+    }
+
+    let mut sampling = default_sampling();
+    if let Some(t) = b.temperature {
+        if !(0.0..=2.0).contains(&t) {
+            return Err(bad("temperature must be between 0 and 2", "temperature"));
+        }
+        sampling.temperature = t;
+    }
+    if let Some(p) = b.top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(bad("top_p must be in (0, 1]", "top_p"));
+        }
+        sampling.top_p = p;
+    }
+    sampling.seed = clock_seed();
+    if b.max_output_tokens == Some(0) {
+        return Err(bad(
+            "max_output_tokens must be at least 1",
+            "max_output_tokens",
+        ));
+    }
+
+    let mut messages = Vec::new();
+    if let Some(s) = b.instructions.as_deref().filter(|s| !s.is_empty()) {
+        messages.push(Message::new(Role::System, s));
+    }
+    match b.input {
+        None | Some(Value::Null) => return Err(bad("missing `input`", "input")),
+        Some(Value::String(s)) => messages.push(Message::new(Role::User, s)),
+        Some(Value::Array(items)) => {
+            if items.is_empty() {
+                return Err(bad("`input` is empty", "input"));
+            }
+            for (i, item) in items.iter().enumerate() {
+                messages.push(input_item(item, i)?);
+            }
+        }
+        Some(_) => {
+            return Err(bad(
+                "input must be a string or an array of input items",
+                "input",
+            ))
+        }
+    }
+
+    let echo = Echo {
+        instructions: b.instructions,
+        max_output_tokens: b.max_output_tokens,
+        temperature: sampling.temperature,
+        top_p: sampling.top_p,
+        metadata: b.metadata.filter(|m| !m.is_null()).unwrap_or(json!({})),
+        user: b.user,
+        parallel_tool_calls: b.parallel_tool_calls.unwrap_or(true),
+        tool_choice: b
+            .tool_choice
+            .filter(|t| !t.is_null())
+            .unwrap_or(json!("auto")),
+        reasoning_effort: effort,
+    };
+    let request = Request {
+        model: b.model,
+        input: Input::Messages(messages),
+        sampling,
+        max_tokens: b.max_output_tokens.map(|n| n as usize),
+        stop: vec![],
+        stream: b.stream.unwrap_or(false),
+        include_usage: true,
+    };
+    Ok((request, Responses::new(echo)))
+}
+
+fn clock_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// One `input` item: a message (`type` "message" or absent). Other item types
+/// are refused, with tool and reasoning items named as not supported yet.
+fn input_item(item: &Value, i: usize) -> Result<Message, BadRequest> {
+    let Some(obj) = item.as_object() else {
+        return Err(bad(format!("input[{i}] must be an object"), "input"));
+    };
+    match obj.get("type").map(|t| t.as_str()) {
+        None | Some(Some("message")) => {}
+        Some(Some("item_reference")) => {
+            return Err(bad(
+                format!("input[{i}]: item_reference is not supported: this server keeps no items; replay the full input instead"),
+                "input",
+            ))
+        }
+        Some(Some(ty)) => {
+            return Err(bad(
+                format!("input[{i}]: {ty} items are not supported yet (messages only)"),
+                "input",
+            ))
+        }
+        Some(None) => return Err(bad(format!("input[{i}].type must be a string"), "input")),
+    }
+    let role = match obj.get("role").map(|r| r.as_str()) {
+        None | Some(Some("user")) => Role::User,
+        Some(Some("assistant")) => Role::Assistant,
+        Some(Some("system" | "developer")) => Role::System,
+        Some(Some(other)) => {
+            return Err(bad(
+                format!("input[{i}]: unknown role {other:?} (user, assistant, system, developer)"),
+                "input",
+            ))
+        }
+        Some(None) => return Err(bad(format!("input[{i}].role must be a string"), "input")),
+    };
+    Ok(Message::new(role, content_text(obj.get("content"), i)?))
+}
+
+/// Text of an item's `content`: a string, or an array of text parts.
+fn content_text(v: Option<&Value>, i: usize) -> Result<String, BadRequest> {
+    match v {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut out = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                match p.get("type").and_then(Value::as_str) {
+                    Some("input_text" | "output_text" | "text") => {
+                        match p.get("text").and_then(Value::as_str) {
+                            Some(t) => out.push_str(t),
+                            None => {
+                                return Err(bad(
+                                    format!(
+                                    "input[{i}].content[{j}]: a text part needs a string `text`"
+                                ),
+                                    "input",
+                                ))
+                            }
+                        }
+                    }
+                    Some(other) => {
+                        return Err(bad(
+                            format!(
+                            "input[{i}].content[{j}]: {other} parts are not supported (text only)"
+                        ),
+                            "input",
+                        ))
+                    }
+                    None => {
+                        return Err(bad(
+                            format!(
+                                "input[{i}].content[{j}] must be an object with a string `type`"
+                            ),
+                            "input",
+                        ))
+                    }
+                }
+            }
+            Ok(out)
+        }
+        Some(_) => Err(bad(
+            format!("input[{i}].content must be a string or an array of content parts"),
+            "input",
+        )),
+    }
+}
+
+/// `POST /v1/responses`.
+pub(crate) async fn create(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    match parse(&body) {
+        Ok((p, d)) => run(st, p, Arc::new(d)).await,
+        Err(e) => Responses::default().bad_request(e),
+    }
+}
+
+/// Response usage (`cached_tokens` is the prefix reused from the live session
+/// or a disk checkpoint; there are no reasoning tokens).
+pub fn usage_json(u: &Usage) -> Value {
+    json!({
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": { "cached_tokens": u.cached_tokens },
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": { "reasoning_tokens": 0 },
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    })
+}
+
+/// An `f32` parameter as the number the client wrote (`0.9`, not
+/// `0.8999999761581421`).
+fn short_float(x: f32) -> Value {
+    x.to_string()
+        .parse::<f64>()
+        .map_or(Value::Null, |f| json!(f))
+}
+
+/// `resp_N` and `msg_N` from the runner's `resp-N`.
+fn ids(g: &Gen) -> (String, String) {
+    let n = g.id.rsplit('-').next().unwrap_or(&g.id);
+    (format!("resp_{n}"), format!("msg_{n}"))
+}
+
+fn output_text(text: &str) -> Value {
+    json!({ "type": "output_text", "text": text, "annotations": [], "logprobs": [] })
+}
+
+/// The assistant message item; `text: None` gives the empty item that opens a
+/// stream.
+fn message_item(id: &str, status: &str, text: Option<&str>) -> Value {
+    let content = match text {
+        Some(t) => json!([output_text(t)]),
+        None => json!([]),
+    };
+    json!({ "type": "message", "id": id, "status": status, "role": "assistant", "content": content })
+}
+
+/// Item status and response status of a finished generation.
+fn statuses(finish: FinishReason) -> (&'static str, &'static str, Value) {
+    match finish {
+        FinishReason::Stop => ("completed", "completed", Value::Null),
+        FinishReason::Length => (
+            "incomplete",
+            "incomplete",
+            json!({ "reason": "max_output_tokens" }),
+        ),
+    }
+}
+
+impl Responses {
+    fn new(echo: Echo) -> Self {
+        Responses {
+            echo,
+            ..Responses::default()
+        }
+    }
+
+    /// A response object. `usage` is null until the end.
+    fn object(
+        &self,
+        g: &Gen,
+        status: &str,
+        output: Vec<Value>,
+        usage: Option<&Usage>,
+        incomplete: Value,
+        error: Value,
+    ) -> Value {
+        let e = &self.echo;
+        json!({
+            "id": ids(g).0,
+            "object": "response",
+            "created_at": g.created,
+            "status": status,
+            "error": error,
+            "incomplete_details": incomplete,
+            "instructions": e.instructions,
+            "max_output_tokens": e.max_output_tokens,
+            "model": g.model,
+            "output": output,
+            "parallel_tool_calls": e.parallel_tool_calls,
+            "previous_response_id": null,
+            "reasoning": { "effort": e.reasoning_effort, "summary": null },
+            "store": false,
+            "temperature": short_float(e.temperature),
+            "text": { "format": { "type": "text" } },
+            "tool_choice": e.tool_choice,
+            "tools": [],
+            "top_p": short_float(e.top_p),
+            "truncation": "disabled",
+            "usage": usage.map(usage_json),
+            "user": e.user,
+            "metadata": e.metadata,
+        })
+    }
+
+    /// An event payload carrying its `type` and the next `sequence_number`.
+    fn event(&self, ty: &'static str, mut v: Value) -> (&'static str, Value) {
+        v["type"] = json!(ty);
+        v["sequence_number"] = json!(self.seq.fetch_add(1, Ordering::Relaxed));
+        (ty, v)
+    }
+
+    /// `response.created` … `response.content_part.added`: the message item is
+    /// opened before the first token, so an empty answer still has one.
+    fn start_events(&self, g: &Gen) -> Vec<(&'static str, Value)> {
+        let msg_id = ids(g).1;
+        let r = self.object(g, "in_progress", vec![], None, Value::Null, Value::Null);
+        vec![
+            self.event("response.created", json!({ "response": r })),
+            self.event("response.in_progress", json!({ "response": r })),
+            self.event(
+                "response.output_item.added",
+                json!({ "output_index": 0, "item": message_item(&msg_id, "in_progress", None) }),
+            ),
+            self.event(
+                "response.content_part.added",
+                json!({ "item_id": msg_id, "output_index": 0, "content_index": 0, "part": output_text("") }),
+            ),
+        ]
+    }
+
+    fn text_events(&self, g: &Gen, text: &str) -> Vec<(&'static str, Value)> {
+        if text.is_empty() {
+            return vec![];
+        }
+        if let Ok(mut s) = self.streamed.lock() {
+            s.push_str(text);
+        }
+        vec![self.event(
+            "response.output_text.delta",
+            json!({ "item_id": ids(g).1, "output_index": 0, "content_index": 0, "delta": text, "logprobs": [] }),
+        )]
+    }
+
+    /// The closing events of the message item, then `response.completed`, or
+    /// `response.incomplete` when the output limit cut the answer.
+    fn end_events(
+        &self,
+        g: &Gen,
+        text: &str,
+        finish: FinishReason,
+        u: &Usage,
+    ) -> Vec<(&'static str, Value)> {
+        let msg_id = ids(g).1;
+        let (item_status, status, incomplete) = statuses(finish);
+        let item = message_item(&msg_id, item_status, Some(text));
+        let terminal = match finish {
+            FinishReason::Stop => "response.completed",
+            FinishReason::Length => "response.incomplete",
+        };
+        let r = self.object(
+            g,
+            status,
+            vec![item.clone()],
+            Some(u),
+            incomplete,
+            Value::Null,
+        );
+        vec![
+            self.event(
+                "response.output_text.done",
+                json!({ "item_id": msg_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": [] }),
+            ),
+            self.event(
+                "response.content_part.done",
+                json!({ "item_id": msg_id, "output_index": 0, "content_index": 0, "part": output_text(text) }),
+            ),
+            self.event(
+                "response.output_item.done",
+                json!({ "output_index": 0, "item": item }),
+            ),
+            self.event(terminal, json!({ "response": r })),
+        ]
+    }
+
+    /// `error`, then `response.failed` with the text streamed so far: how
+    /// OpenAI ends a stream that fails after it started.
+    fn error_events(&self, g: &Gen, message: &str) -> Vec<(&'static str, Value)> {
+        let text = self.streamed.lock().map(|s| s.clone()).unwrap_or_default();
+        let item = message_item(&ids(g).1, "incomplete", Some(&text));
+        let error = json!({ "code": "server_error", "message": message });
+        let r = self.object(g, "failed", vec![item], None, Value::Null, error);
+        vec![
+            self.event(
+                "error",
+                json!({ "code": "server_error", "message": message, "param": null }),
+            ),
+            self.event("response.failed", json!({ "response": r })),
+        ]
+    }
+}
+
+/// `event: NAME` + `data: JSON`, as the SDKs read them.
+fn sse(events: Vec<(&'static str, Value)>) -> Vec<SseEvent> {
+    events.iter().map(|(name, v)| named(name, v)).collect()
+}
+
+impl Dialect for Responses {
+    fn id_prefix(&self) -> &'static str {
+        "resp"
+    }
+
+    fn error(&self, status: StatusCode, message: &str, kind: ErrorKind) -> Response {
+        (status, Json(error_body(message, kind, None))).into_response()
+    }
+
+    fn bad_request(&self, e: BadRequest) -> Response {
+        let body = error_body(&e.message, ErrorKind::InvalidRequest, e.param);
+        (StatusCode::BAD_REQUEST, Json(body)).into_response()
+    }
+
+    fn complete(&self, g: &Gen, text: &str, finish: FinishReason, u: &Usage) -> Value {
+        let (item_status, status, incomplete) = statuses(finish);
+        let item = message_item(&ids(g).1, item_status, Some(text));
+        self.object(g, status, vec![item], Some(u), incomplete, Value::Null)
+    }
+
+    fn stream_start(&self, g: &Gen, _started: &Usage) -> Vec<SseEvent> {
+        sse(self.start_events(g))
+    }
+
+    fn stream_text(&self, g: &Gen, text: &str) -> Vec<SseEvent> {
+        sse(self.text_events(g, text))
+    }
+
+    fn stream_end(
+        &self,
+        g: &Gen,
+        text: &str,
+        finish: FinishReason,
+        u: &Usage,
+        _include_usage: bool,
+    ) -> Vec<SseEvent> {
+        sse(self.end_events(g, text, finish, u))
+    }
+
+    fn stream_error(&self, g: &Gen, message: &str) -> Vec<SseEvent> {
+        sse(self.error_events(g, message))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::CacheSource;
+
+    fn messages(p: &Request) -> &[Message] {
+        match &p.input {
+            Input::Messages(m) => m,
+            Input::Raw(_) => panic!("raw input"),
+        }
+    }
+
+    #[test]
+    fn input_forms_and_instructions_become_messages() {
+        let (p, d) = parse(br#"{"model":"m","input":"hi","instructions":"be brief","max_output_tokens":9,
+            "temperature":0,"top_p":0.5,"stream":true,"store":true,"metadata":{"k":"v"},"user":"u",
+            "parallel_tool_calls":false,"truncation":"auto","tools":[],"tool_choice":"auto",
+            "reasoning":{"effort":"minimal","summary":"auto"},"text":{"format":{"type":"text"},"verbosity":"low"},
+            "include":["reasoning.encrypted_content"],"prompt_cache_key":"x"}"#)
+        .unwrap();
+        assert_eq!(
+            messages(&p),
+            [
+                Message::new(Role::System, "be brief"),
+                Message::new(Role::User, "hi")
+            ]
+        );
+        assert_eq!(
+            (p.model.as_deref(), p.max_tokens, p.stream),
+            (Some("m"), Some(9), true)
+        );
+        assert_eq!((p.sampling.temperature, p.sampling.top_p), (0.0, 0.5));
+        assert_eq!(d.echo.metadata, json!({"k":"v"}));
+        assert!(!d.echo.parallel_tool_calls);
+
+        let (p, _) = parse(
+            br#"{"input":[
+            {"role":"developer","content":"sys"},
+            {"type":"message","role":"user","content":[{"type":"input_text","text":"a"},{"type":"text","text":"b"}]},
+            {"type":"message","role":"assistant","id":"msg_1","status":"completed",
+             "content":[{"type":"output_text","text":"c","annotations":[]}]},
+            {"content":"d"}],"reasoning":null,"instructions":""}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            messages(&p),
+            [
+                Message::new(Role::System, "sys"),
+                Message::new(Role::User, "ab"),
+                Message::new(Role::Assistant, "c"),
+                Message::new(Role::User, "d"),
+            ]
+        );
+        assert_eq!((p.max_tokens, p.stream, p.stop.len()), (None, false, 0));
+        assert_eq!(p.sampling.temperature, default_sampling().temperature);
+    }
+
+    #[test]
+    fn what_we_cannot_do_is_refused_with_the_parameter_at_fault() {
+        let bad = |b: &str| parse(b.as_bytes()).unwrap_err();
+        let msg = |b: &str| bad(b).message;
+
+        assert!(msg("{").starts_with("invalid JSON request"));
+        assert!(msg(r#"{"input":"x","max_output_tokens":"9"}"#).contains("invalid type"));
+        assert!(msg(r#"{"input":"x","temperature":"hot"}"#).contains("invalid type"));
+        assert!(msg(r#"{"input":"x","tools":{}}"#).contains("invalid type"));
+        assert!(msg(r#"{"input":"x","reasoning":"high"}"#).contains("invalid type"));
+        assert!(msg(r#"{"input":"x","max_output_tokens":-1}"#).contains("invalid value"));
+
+        let cases: &[(&str, &str, &str)] = &[
+            (r#"{}"#, "input", "missing `input`"),
+            (r#"{"input":[]}"#, "input", "`input` is empty"),
+            (r#"{"input":5}"#, "input", "a string or an array"),
+            (r#"{"input":["x"]}"#, "input", "input[0] must be an object"),
+            (
+                r#"{"input":[{"role":"user","content":[{"type":"input_image","image_url":"u"}]}]}"#,
+                "input",
+                "input[0].content[0]: input_image parts are not supported",
+            ),
+            (
+                r#"{"input":[{"role":"user","content":[{"type":"input_file","file_id":"f"}]}]}"#,
+                "input",
+                "input_file parts",
+            ),
+            (
+                r#"{"input":[{"role":"user","content":[{"type":"input_text"}]}]}"#,
+                "input",
+                "needs a string `text`",
+            ),
+            (
+                r#"{"input":[{"role":"user","content":7}]}"#,
+                "input",
+                "content must be a string or an array",
+            ),
+            (
+                r#"{"input":[{"role":"tool","content":"x"}]}"#,
+                "input",
+                "unknown role \"tool\"",
+            ),
+            (
+                r#"{"input":[{"type":"function_call","call_id":"c","name":"f","arguments":"{}"}]}"#,
+                "input",
+                "input[0]: function_call items are not supported yet",
+            ),
+            (
+                r#"{"input":[{"type":"function_call_output","call_id":"c","output":"x"}]}"#,
+                "input",
+                "function_call_output items are not supported yet",
+            ),
+            (
+                r#"{"input":[{"role":"user","content":"x"},{"type":"reasoning","summary":[]}]}"#,
+                "input",
+                "input[1]: reasoning items are not supported yet",
+            ),
+            (
+                r#"{"input":[{"type":"item_reference","id":"msg_1"}]}"#,
+                "input",
+                "replay the full input",
+            ),
+            (
+                r#"{"input":"x","previous_response_id":"resp_1"}"#,
+                "previous_response_id",
+                "keeps no responses; replay the full input",
+            ),
+            (
+                r#"{"input":"x","conversation":"conv_1"}"#,
+                "conversation",
+                "replay the full input",
+            ),
+            (
+                r#"{"input":"x","background":true}"#,
+                "background",
+                "background",
+            ),
+            (
+                r#"{"input":"x","tools":[{"type":"function","name":"f","parameters":{}}]}"#,
+                "tools",
+                "tools are not supported yet",
+            ),
+            (
+                r#"{"input":"x","tool_choice":"required"}"#,
+                "tool_choice",
+                "tool_choice=required",
+            ),
+            (
+                r#"{"input":"x","tool_choice":{"type":"function","name":"f"}}"#,
+                "tool_choice",
+                "forced tool_choice",
+            ),
+            (
+                r#"{"input":"x","reasoning":{"effort":"high"}}"#,
+                "reasoning",
+                "reasoning effort \"high\" is not supported yet",
+            ),
+            (
+                r#"{"input":"x","text":{"format":{"type":"json_schema","name":"n","schema":{}}}}"#,
+                "text",
+                "json_schema",
+            ),
+            (
+                r#"{"input":"x","top_logprobs":3}"#,
+                "top_logprobs",
+                "logprobs",
+            ),
+            (
+                r#"{"input":"x","temperature":3}"#,
+                "temperature",
+                "between 0 and 2",
+            ),
+            (r#"{"input":"x","top_p":0}"#, "top_p", "top_p"),
+            (
+                r#"{"input":"x","max_output_tokens":0}"#,
+                "max_output_tokens",
+                "at least 1",
+            ),
+        ];
+        for (body, param, text) in cases {
+            let e = bad(body);
+            assert_eq!(e.param, Some(*param), "{body}: {e:?}");
+            assert!(
+                e.message.contains(text),
+                "{body}: {:?} lacks {text:?}",
+                e.message
+            );
+        }
+    }
+
+    fn gen() -> Gen {
+        Gen {
+            id: "resp-7".into(),
+            created: 100,
+            model: "m".into(),
+        }
+    }
+
+    fn usage() -> Usage {
+        Usage {
+            prompt_tokens: 10,
+            cached_tokens: 4,
+            checkpointed_tokens: 0,
+            completion_tokens: 3,
+            cache_source: CacheSource::MemoryToken,
+        }
+    }
+
+    #[test]
+    fn response_objects_have_openai_shapes() {
+        let (_, d) = parse(br#"{"input":"x","max_output_tokens":3,"temperature":0}"#).unwrap();
+        let v = d.complete(&gen(), "Paris", FinishReason::Stop, &usage());
+        assert_eq!(
+            (
+                &v["id"],
+                &v["object"],
+                &v["created_at"],
+                &v["status"],
+                &v["model"]
+            ),
+            (
+                &json!("resp_7"),
+                &json!("response"),
+                &json!(100),
+                &json!("completed"),
+                &json!("m")
+            )
+        );
+        assert!(v["incomplete_details"].is_null() && v["error"].is_null());
+        assert_eq!(
+            v["output"],
+            json!([{"type":"message","id":"msg_7","status":"completed","role":"assistant",
+                    "content":[{"type":"output_text","text":"Paris","annotations":[],"logprobs":[]}]}])
+        );
+        assert_eq!(
+            v["usage"],
+            json!({"input_tokens":10,"input_tokens_details":{"cached_tokens":4},"output_tokens":3,
+                   "output_tokens_details":{"reasoning_tokens":0},"total_tokens":13})
+        );
+        assert_eq!(
+            (&v["max_output_tokens"], &v["temperature"]),
+            (&json!(3), &json!(0.0))
+        );
+        assert_eq!((&v["tools"], &v["store"]), (&json!([]), &json!(false)));
+        assert_eq!(v["top_p"], json!(0.9));
+
+        let v = d.complete(&gen(), "Pa", FinishReason::Length, &usage());
+        assert_eq!(v["status"], "incomplete");
+        assert_eq!(
+            v["incomplete_details"],
+            json!({"reason":"max_output_tokens"})
+        );
+        assert_eq!(v["output"][0]["status"], "incomplete");
+    }
+
+    #[test]
+    fn stream_events_come_in_sdk_order_and_number_themselves() {
+        let (_, d) = parse(br#"{"input":"x","stream":true}"#).unwrap();
+        let g = gen();
+        let mut evs = d.start_events(&g);
+        evs.extend(d.text_events(&g, "Pa"));
+        evs.extend(d.text_events(&g, ""));
+        evs.extend(d.text_events(&g, "ris"));
+        evs.extend(d.end_events(&g, "Paris", FinishReason::Stop, &usage()));
+        let names: Vec<_> = evs.iter().map(|(n, _)| *n).collect();
+        assert_eq!(
+            names,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        for (i, (n, v)) in evs.iter().enumerate() {
+            assert_eq!((&v["type"], &v["sequence_number"]), (&json!(n), &json!(i)));
+        }
+        assert_eq!(evs[0].1["response"]["status"], "in_progress");
+        assert!(evs[0].1["response"]["usage"].is_null());
+        assert_eq!(evs[2].1["item"]["content"], json!([]));
+        assert_eq!(
+            (&evs[5].1["item_id"], &evs[5].1["delta"]),
+            (&json!("msg_7"), &json!("ris"))
+        );
+        assert_eq!(evs[6].1["text"], "Paris");
+        assert_eq!(evs[8].1["item"]["status"], "completed");
+        assert_eq!(
+            evs[9].1["response"],
+            d.complete(&g, "Paris", FinishReason::Stop, &usage())
+        );
+
+        let (_, d) = parse(br#"{"input":"x"}"#).unwrap();
+        let end = d.end_events(&g, "Pa", FinishReason::Length, &usage());
+        assert_eq!(end[3].0, "response.incomplete");
+        assert_eq!(
+            end[3].1["response"]["incomplete_details"]["reason"],
+            "max_output_tokens"
+        );
+
+        let (_, d) = parse(br#"{"input":"x"}"#).unwrap();
+        d.start_events(&g);
+        d.text_events(&g, "Pa");
+        let err = d.error_events(&g, "engine error: boom");
+        assert_eq!((err[0].0, err[1].0), ("error", "response.failed"));
+        assert_eq!(
+            (
+                &err[0].1["code"],
+                &err[0].1["message"],
+                &err[0].1["sequence_number"]
+            ),
+            (
+                &json!("server_error"),
+                &json!("engine error: boom"),
+                &json!(5)
+            )
+        );
+        let r = &err[1].1["response"];
+        assert_eq!(
+            (&r["status"], &r["error"]["code"]),
+            (&json!("failed"), &json!("server_error"))
+        );
+        assert_eq!(r["output"][0]["content"][0]["text"], "Pa");
+    }
+}
