@@ -134,11 +134,24 @@ pub fn project(
     }
 }
 
+/// Positions per attention tile: one tile of K and V rows (2 x 16 KiB at head_dim
+/// 64) stays in L1 while every query of a block uses it.
+const ATTN_TILE: usize = 64;
+/// Query tokens per work item.
+const ATTN_TOKEN_BLOCK: usize = 16;
+
 /// Causal attention for a batch of query rows at positions `pos0..pos0 + n_tokens`.
 ///
 /// `q` is `[n_tokens][n_head][head_dim]`; `k_cache`/`v_cache` are
 /// `[n_head_kv][n_ctx][head_dim]` and already hold every position up to the last
 /// query. Each query attends to positions `0..=its own`. Output like `q`.
+///
+/// Work items are (kv head, block of query tokens); an item walks the cache in
+/// tiles of [`ATTN_TILE`] positions with an online softmax, so each K/V tile is
+/// read once for all the queries of the block and of the head group. Tiles sit at
+/// fixed absolute positions and each query's arithmetic is the same however the
+/// tokens are batched, so chunked prefill and token-by-token decoding agree bit for
+/// bit.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     pool: &ThreadPool,
@@ -152,41 +165,118 @@ pub fn attention(
     pos0: usize,
     out: &mut [f32],
 ) {
+    let n_tokens = q.len() / (n_head * head_dim);
     let group = n_head / n_head_kv;
+    let n_blocks = n_tokens.div_ceil(ATTN_TOKEN_BLOCK);
+    let item_len = ATTN_TOKEN_BLOCK * group * head_dim;
     let scale = 1.0 / (head_dim as f32).sqrt();
-    pool.for_each_chunk_mut(out, head_dim, &|idx, o| {
-        let (t, h) = (idx / n_head, idx % n_head);
-        let kvh = h / group;
-        let n_kv = pos0 + t + 1;
-        let qh = &q[idx * head_dim..(idx + 1) * head_dim];
-        let ks = &k_cache[kvh * n_ctx * head_dim..][..n_kv * head_dim];
-        let vs = &v_cache[kvh * n_ctx * head_dim..][..n_kv * head_dim];
-        SCORES.with_borrow_mut(|scores| {
-            scores.clear();
-            scores.extend(
-                ks.chunks_exact(head_dim)
-                    .map(|k| ds4_kernels::f32::vec_dot_f32(qh, k) * scale),
+    ATTN_OUT.with_borrow_mut(|scratch| {
+        scratch.resize(n_head_kv * n_blocks * item_len, 0.0);
+        pool.for_each_chunk_mut(scratch, item_len, &|item, o| {
+            let (kvh, tb) = (item / n_blocks, item % n_blocks);
+            let t0 = tb * ATTN_TOKEN_BLOCK;
+            let t1 = (t0 + ATTN_TOKEN_BLOCK).min(n_tokens);
+            let ks = &k_cache[kvh * n_ctx * head_dim..][..(pos0 + t1) * head_dim];
+            let vs = &v_cache[kvh * n_ctx * head_dim..][..(pos0 + t1) * head_dim];
+            attend_block(
+                q,
+                ks,
+                vs,
+                (t0, t1),
+                (kvh, group, n_head, head_dim),
+                pos0,
+                scale,
+                o,
             );
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f64;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += f64::from(*s);
-            }
-            let inv = (1.0 / sum) as f32;
-            o.fill(0.0);
-            for (&p, v) in scores.iter().zip(vs.chunks_exact(head_dim)) {
-                let p = p * inv;
-                for (oi, &vi) in o.iter_mut().zip(v) {
-                    *oi += p * vi;
-                }
-            }
         });
+        for t in 0..n_tokens {
+            let (tb, ti) = (t / ATTN_TOKEN_BLOCK, t % ATTN_TOKEN_BLOCK);
+            for kvh in 0..n_head_kv {
+                let src = ((kvh * n_blocks + tb) * ATTN_TOKEN_BLOCK + ti) * group * head_dim;
+                let dst = (t * n_head + kvh * group) * head_dim;
+                out[dst..dst + group * head_dim]
+                    .copy_from_slice(&scratch[src..src + group * head_dim]);
+            }
+        }
     });
 }
 
+/// One work item: queries `t0..t1` of the heads of kv head `kvh`, written to `o` as
+/// `[token in block][head in group][head_dim]`.
+#[allow(clippy::too_many_arguments)]
+fn attend_block(
+    q: &[f32],
+    ks: &[f32],
+    vs: &[f32],
+    (t0, t1): (usize, usize),
+    (kvh, group, n_head, head_dim): (usize, usize, usize, usize),
+    pos0: usize,
+    scale: f32,
+    o: &mut [f32],
+) {
+    let n_q = (t1 - t0) * group;
+    let n_pos = pos0 + t1;
+    ATTN_STATE.with_borrow_mut(|(running, scores)| {
+        running.clear();
+        running.resize(n_q, (f32::NEG_INFINITY, 0.0));
+        scores.resize(ATTN_TILE, 0.0);
+        o[..n_q * head_dim].fill(0.0);
+        for tile in (0..n_pos).step_by(ATTN_TILE) {
+            for (qi, (m, l)) in running.iter_mut().enumerate() {
+                let (t, g) = (t0 + qi / group, qi % group);
+                let limit = pos0 + t + 1;
+                if tile >= limit {
+                    continue;
+                }
+                let end = (tile + ATTN_TILE).min(limit);
+                let qv = &q[(t * n_head + kvh * group + g) * head_dim..][..head_dim];
+                let sc = &mut scores[..end - tile];
+                for (s, k) in sc
+                    .iter_mut()
+                    .zip(ks[tile * head_dim..end * head_dim].chunks_exact(head_dim))
+                {
+                    *s = ds4_kernels::f32::vec_dot_f32(qv, k) * scale;
+                }
+                let tile_max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let m_new = m.max(tile_max);
+                let acc = &mut o[qi * head_dim..(qi + 1) * head_dim];
+                if *m != f32::NEG_INFINITY {
+                    let corr = (*m - m_new).exp();
+                    *l *= corr;
+                    acc.iter_mut().for_each(|a| *a *= corr);
+                }
+                for (&s, v) in sc
+                    .iter()
+                    .zip(vs[tile * head_dim..end * head_dim].chunks_exact(head_dim))
+                {
+                    let w = (s - m_new).exp();
+                    *l += w;
+                    for (a, &vi) in acc.iter_mut().zip(v) {
+                        *a += w * vi;
+                    }
+                }
+                *m = m_new;
+            }
+        }
+        for (qi, &(_, l)) in running.iter().enumerate() {
+            let inv = 1.0 / l;
+            o[qi * head_dim..(qi + 1) * head_dim]
+                .iter_mut()
+                .for_each(|a| *a *= inv);
+        }
+    });
+}
+
+/// Running (max, sum) of each query of a work item, and one tile's scores.
+type AttnState = (Vec<(f32, f32)>, Vec<f32>);
+
 thread_local! {
-    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Per-item attention output, reused across calls (the decode loop allocates
+    /// nothing once it has run).
+    static ATTN_OUT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Per-thread running (max, sum) per query and the scores of one tile.
+    static ATTN_STATE: std::cell::RefCell<AttnState> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
 #[cfg(test)]

@@ -115,7 +115,7 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
     if let Some(k) = b.top_k {
         sampling.top_k = k as usize;
     }
-    sampling.seed = clock_seed();
+    sampling.seed = crate::dialect::clock_seed();
     let stop = b.stop_sequences.unwrap_or_default();
     if stop.iter().any(String::is_empty) {
         return Err(BadRequest::new(
@@ -171,12 +171,6 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
         stream: b.stream.unwrap_or(false),
         include_usage: false,
     })
-}
-
-fn clock_seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// The system prompt: a string, null, or an array of text blocks (bare strings

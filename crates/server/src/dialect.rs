@@ -109,3 +109,10 @@ pub fn data(v: &Value) -> SseEvent {
 pub fn named(name: &str, v: &Value) -> SseEvent {
     SseEvent::default().event(name).data(v.to_string())
 }
+
+/// A sampling seed for requests that give none: the clock, so two requests differ.
+pub fn clock_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}

@@ -182,7 +182,7 @@ fn common(c: Common) -> Result<Request, BadRequest> {
         }
         sampling.min_p = m;
     }
-    sampling.seed = c.seed.unwrap_or_else(clock_seed);
+    sampling.seed = c.seed.unwrap_or_else(crate::dialect::clock_seed);
     let max_tokens = c.max_completion_tokens.or(c.max_tokens).map(|n| n as usize);
     Ok(Request {
         model: c.model,
@@ -196,12 +196,6 @@ fn common(c: Common) -> Result<Request, BadRequest> {
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
     })
-}
-
-fn clock_seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// Text of a message `content`: a string, null, or an array of text parts.

@@ -183,7 +183,7 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         }
         sampling.top_p = p;
     }
-    sampling.seed = clock_seed();
+    sampling.seed = crate::dialect::clock_seed();
     if b.max_output_tokens == Some(0) {
         return Err(bad(
             "max_output_tokens must be at least 1",
@@ -238,12 +238,6 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         include_usage: true,
     };
     Ok((request, Responses::new(echo)))
-}
-
-fn clock_seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// One `input` item: a message (`type` "message" or absent). Other item types

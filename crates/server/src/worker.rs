@@ -311,6 +311,10 @@ impl WorkerState {
         if self.session.tokens().len() > reused {
             self.session.rewind(reused).map_err(engine)?;
         }
+        if job.events.is_closed() {
+            // The client left while the job was queued: skip the prefill.
+            return Ok(());
+        }
         let _ = job.events.blocking_send(Event::Started {
             prompt_tokens: ids.len(),
             cached_tokens: reused,
