@@ -2,142 +2,14 @@
 //! prefix reuse and its usage numbers, errors, API key, client disconnects, and a
 //! restart that resumes from the disk checkpoint.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod common;
+
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use common::*;
 use serde_json::{json, Value};
-
-struct Server {
-    child: Child,
-    port: u16,
-    log: std::sync::Arc<std::sync::Mutex<String>>,
-}
-
-impl Server {
-    fn start(args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ds4"))
-            .args(["serve", "--port", "0", "--threads", "1"])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawning ds4 serve");
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let mut log = String::new();
-        let port = loop {
-            let line = lines.next().expect("ds4 serve exited early").unwrap();
-            log.push_str(&line);
-            log.push('\n');
-            if let Some(addr) = line.strip_prefix("ds4 serve: listening on http://") {
-                break addr.rsplit(':').next().unwrap().parse().unwrap();
-            }
-        };
-        let log = std::sync::Arc::new(std::sync::Mutex::new(log));
-        let sink = std::sync::Arc::clone(&log);
-        std::thread::spawn(move || {
-            for line in lines.map_while(Result::ok) {
-                let mut l = sink.lock().unwrap();
-                l.push_str(&line);
-                l.push('\n');
-            }
-        });
-        Server { child, port, log }
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
-    }
-
-    /// SIGTERM, then wait for a clean exit.
-    fn stop(mut self) -> String {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let status = self.child.wait().unwrap();
-        assert!(status.success(), "ds4 serve exit: {status}\n{}", self.log());
-        std::thread::sleep(Duration::from_millis(100));
-        self.log()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-struct Reply {
-    status: u16,
-    headers: String,
-    body: String,
-}
-
-impl Reply {
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
-    }
-
-    fn header(&self, name: &str) -> Option<String> {
-        self.headers.lines().find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
-        })
-    }
-}
-
-fn request(port: u16, method: &str, path: &str, body: &[u8], extra: &[(&str, &str)]) -> Reply {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    let mut head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    for (k, v) in extra {
-        head.push_str(&format!("{k}: {v}\r\n"));
-    }
-    head.push_str("\r\n");
-    s.write_all(head.as_bytes()).unwrap();
-    s.write_all(body).unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let raw = String::from_utf8_lossy(&raw).into_owned();
-    let (headers, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-    let status = headers.split(' ').nth(1).unwrap().parse().unwrap();
-    let body = if headers
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        dechunk(body)
-    } else {
-        body.to_string()
-    };
-    Reply {
-        status,
-        headers: headers.to_string(),
-        body,
-    }
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = s.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        s = &rest[n + 2..];
-    }
-    out
-}
-
-fn post(port: u16, path: &str, body: &Value) -> Reply {
-    request(port, "POST", path, body.to_string().as_bytes(), &[])
-}
 
 fn chat_body(messages: Value, extra: Value) -> Value {
     let mut b = json!({ "messages": messages, "temperature": 0, "max_tokens": 24 });
@@ -145,21 +17,6 @@ fn chat_body(messages: Value, extra: Value) -> Value {
         b[k] = v.clone();
     }
     b
-}
-
-/// The data payloads of an SSE body.
-fn sse_data(body: &str) -> Vec<String> {
-    body.lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .map(str::to_string)
-        .collect()
-}
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ds4-serve-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 #[test]

@@ -2,66 +2,12 @@
 //! the SSE event sequence, token counting, the usage split between cache reads,
 //! checkpoint writes and the rest, and errors in Anthropic's shape.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+mod common;
 
+use common::*;
 use serde_json::{json, Value};
 
-struct Server {
-    child: Child,
-    port: u16,
-}
-
-impl Server {
-    fn start(args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ds4"))
-            .args(["serve", "--port", "0", "--threads", "1"])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawning ds4 serve");
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let port = loop {
-            let line = lines.next().expect("ds4 serve exited early").unwrap();
-            if let Some(addr) = line.strip_prefix("ds4 serve: listening on http://") {
-                break addr.rsplit(':').next().unwrap().parse().unwrap();
-            }
-        };
-        // Keep draining stderr so the server never blocks on a full pipe.
-        std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
-        Server { child, port }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-struct Reply {
-    status: u16,
-    headers: String,
-    body: String,
-}
-
 impl Reply {
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
-    }
-
-    fn header(&self, name: &str) -> Option<String> {
-        self.headers.lines().find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
-        })
-    }
-
     /// Asserts an Anthropic error of `status` and `ty` whose message has `msg`.
     fn assert_error(&self, status: u16, ty: &str, msg: &str) {
         assert_eq!(self.status, status, "{}", self.body);
@@ -71,56 +17,6 @@ impl Reply {
         let m = v["error"]["message"].as_str().unwrap_or_default();
         assert!(m.contains(msg), "{m:?} lacks {msg:?}");
     }
-}
-
-fn request(port: u16, method: &str, path: &str, body: &[u8], extra: &[(&str, &str)]) -> Reply {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    let mut head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    for (k, v) in extra {
-        head.push_str(&format!("{k}: {v}\r\n"));
-    }
-    head.push_str("\r\n");
-    s.write_all(head.as_bytes()).unwrap();
-    s.write_all(body).unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let raw = String::from_utf8_lossy(&raw).into_owned();
-    let (headers, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-    let status = headers.split(' ').nth(1).unwrap().parse().unwrap();
-    let body = if headers
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        dechunk(body)
-    } else {
-        body.to_string()
-    };
-    Reply {
-        status,
-        headers: headers.to_string(),
-        body,
-    }
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = s.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        s = &rest[n + 2..];
-    }
-    out
-}
-
-fn post(port: u16, path: &str, body: &Value) -> Reply {
-    request(port, "POST", path, body.to_string().as_bytes(), &[])
 }
 
 const FRANCE: &str = "What is the capital of France?";
@@ -170,13 +66,6 @@ fn total_input(usage: &Value) -> u64 {
     n(&usage["input_tokens"])
         + n(&usage["cache_read_input_tokens"])
         + n(&usage["cache_creation_input_tokens"])
-}
-
-fn temp_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ds4-anthropic-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 #[test]
