@@ -9,3 +9,16 @@ cargo build --release --workspace --all-targets
 ./target/release/ds4 model pull smollm2
 cargo clippy --release --workspace --all-targets -- -D warnings
 cargo test --release --workspace
+
+# Real-client tests: the official openai and anthropic Python SDKs against
+# `ds4 serve` (tests/python). They run in a project-local virtualenv, created on
+# the first run and reused after; pip fails the script if it cannot install.
+venv=.venv
+if ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+fi
+"$venv/bin/python" -m pip install --disable-pip-version-check --quiet \
+    --requirement tests/python/requirements.txt
+DS4_BIN="$PWD/target/release/ds4" PYTHONDONTWRITEBYTECODE=1 \
+    "$venv/bin/python" -m pytest tests/python

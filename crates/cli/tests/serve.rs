@@ -452,3 +452,36 @@ fn metrics_count_requests_tokens_and_cache_hits() {
         r.body
     );
 }
+
+#[test]
+fn sigterm_during_a_long_prefill_cancels_it_and_exits_promptly() {
+    let srv = Server::start(&["--no-kv-disk", "--prefill-chunk", "64"]);
+    let story = include_str!("../../../bench/carrow_point.txt");
+    let port = srv.port;
+    let client = std::thread::spawn(move || {
+        post(
+            port,
+            "/v1/completions",
+            &json!({"prompt": story, "max_tokens": 4, "temperature": 0}),
+        )
+    });
+    // Let the prefill of ~1900 tokens get going, then stop the server.
+    std::thread::sleep(Duration::from_secs(2));
+    let t = std::time::Instant::now();
+    let log = srv.stop();
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "exit took {:?}\n{log}",
+        t.elapsed()
+    );
+    let r = client.join().unwrap();
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("cancelled"),
+        "{}",
+        r.body
+    );
+}

@@ -41,6 +41,8 @@ pub enum EngineError {
     RewindBeyondEnd { to: usize, len: usize },
     #[error("session payload: {reason}")]
     Payload { reason: String },
+    #[error("prefill cancelled after {done} of {total} tokens")]
+    Cancelled { done: usize, total: usize },
     #[error("session payload I/O: {0}")]
     PayloadIo(#[source] std::io::Error),
 }

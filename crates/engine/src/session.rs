@@ -93,6 +93,22 @@ impl Session {
         tokens: &[u32],
         mut progress: impl FnMut(usize, usize),
     ) -> Result<()> {
+        self.prefill_while(tokens, |done, total| {
+            progress(done, total);
+            true
+        })
+        .map(|_| ())
+    }
+
+    /// Like [`prefill_with_progress`](Self::prefill_with_progress), but stops after
+    /// any chunk for which `keep_going(done, total)` returns false, and returns how
+    /// many tokens were prefilled. The session then holds exactly those tokens, in
+    /// a consistent state.
+    pub fn prefill_while(
+        &mut self,
+        tokens: &[u32],
+        mut keep_going: impl FnMut(usize, usize) -> bool,
+    ) -> Result<usize> {
         let n_vocab = self.model.hparams.n_vocab;
         if let Some(&id) = tokens.iter().find(|&&id| id as usize >= n_vocab) {
             return Err(EngineError::TokenOutOfRange { id, n_vocab });
@@ -119,9 +135,11 @@ impl Session {
             self.tokens.extend_from_slice(chunk);
             self.has_logits = true;
             done += chunk.len();
-            progress(done, tokens.len());
+            if !keep_going(done, tokens.len()) {
+                break;
+            }
         }
-        Ok(())
+        Ok(done)
     }
 
     /// Feeds one token (sampled or forced) and computes the next logits.

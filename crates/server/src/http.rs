@@ -225,6 +225,7 @@ fn job_error(d: &dyn Dialect, e: &JobError) -> Response {
         JobError::ContextLength { .. } => (StatusCode::BAD_REQUEST, ErrorKind::ContextLength),
         JobError::EmptyPrompt => (StatusCode::BAD_REQUEST, ErrorKind::InvalidRequest),
         JobError::Engine(_) => (StatusCode::INTERNAL_SERVER_ERROR, ErrorKind::Server),
+        JobError::Cancelled => (StatusCode::SERVICE_UNAVAILABLE, ErrorKind::Overloaded),
     };
     d.error(status, &e.to_string(), kind)
 }

@@ -105,6 +105,8 @@ pub enum JobError {
     EmptyPrompt,
     #[error("engine error: {0}")]
     Engine(String),
+    #[error("the request was cancelled (the server is shutting down or the client left)")]
+    Cancelled,
 }
 
 /// Submits jobs to the worker thread.
@@ -323,16 +325,34 @@ impl WorkerState {
         let t0 = Instant::now();
         let suffix = &ids[self.session.tokens().len()..];
         let saved_before = self.persist.as_ref().map_or(0, |p| p.saved_tokens());
+        // Prefill stops between chunks when the client has gone or the server is
+        // stopping; the session keeps what was prefilled.
+        let (stopping, events) = (Arc::clone(&self.stopping), job.events.clone());
+        let mut prefill = move |s: &mut Session, t: &[u32]| {
+            let done = s.prefill_while(t, |_, _| {
+                !stopping.load(Ordering::Acquire) && !events.is_closed()
+            })?;
+            if done < t.len() {
+                return Err(EngineError::Cancelled {
+                    done,
+                    total: t.len(),
+                });
+            }
+            Ok(())
+        };
         match &mut self.persist {
             Some(p) => p.prefill(
                 &mut self.session,
                 suffix,
                 source == CacheSource::None,
-                &mut |s, t| s.prefill(t),
+                &mut prefill,
             ),
-            None => self.session.prefill(suffix),
+            None => prefill(&mut self.session, suffix),
         }
-        .map_err(engine)?;
+        .map_err(|e| match e {
+            EngineError::Cancelled { .. } => JobError::Cancelled,
+            e => engine(e),
+        })?;
         let checkpointed = self.persist.as_ref().map_or(0, |p| p.saved_tokens()) - saved_before;
         let prefill_s = t0.elapsed().as_secs_f64();
 

@@ -1,0 +1,191 @@
+"""The official `openai` Python SDK against `ds4 serve`: chat completions,
+legacy completions and the Responses API, each plain and streamed."""
+
+import openai
+import pytest
+
+QUESTION = "What is the capital of France?"
+
+
+def chat(oai, **kw):
+    return oai.chat.completions.create(
+        model="ds4",
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=24,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def chat_answer(oai):
+    return chat(oai)
+
+
+def test_chat_completion(chat_answer):
+    r = chat_answer
+    assert r.object == "chat.completion"
+    assert r.model == "ds4"
+    assert len(r.choices) == 1
+    msg = r.choices[0].message
+    assert msg.role == "assistant"
+    assert "Paris" in msg.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens > 0 and u.completion_tokens > 0
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert 0 <= u.prompt_tokens_details.cached_tokens <= u.prompt_tokens
+
+
+def test_chat_completion_stream(oai, chat_answer):
+    # The same request again, so the whole prompt is reused from the live session.
+    chat(oai)
+    stream = chat(oai, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks, "no chunks"
+    ids = {c.id for c in chunks}
+    assert len(ids) == 1, ids
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat_answer.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [chat_answer.choices[0].finish_reason]
+    last = chunks[-1]
+    assert last.choices == []
+    u = last.usage
+    assert u is not None
+    assert u.prompt_tokens == chat_answer.usage.prompt_tokens
+    assert u.completion_tokens == chat_answer.usage.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens == u.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_legacy_completion(oai):
+    r = oai.completions.create(
+        model="ds4", prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert r.object == "text_completion"
+    assert "Paris" in r.choices[0].text
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0
+    assert 0 < r.usage.completion_tokens <= 8
+
+
+def responses_create(oai, **kw):
+    return oai.responses.create(
+        model="ds4", input=QUESTION, temperature=0, max_output_tokens=24, **kw
+    )
+
+
+@pytest.fixture(scope="module")
+def responses_answer(oai):
+    return responses_create(oai)
+
+
+def test_responses(responses_answer):
+    r = responses_answer
+    assert r.object == "response"
+    assert r.status in ("completed", "incomplete")
+    assert "Paris" in r.output_text
+    assert r.output[0].type == "message"
+    assert r.output[0].role == "assistant"
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert 0 <= r.usage.input_tokens_details.cached_tokens <= r.usage.input_tokens
+
+
+EVENT_ORDER = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    "response.output_text.delta",
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+]
+
+
+def test_responses_stream_helper(oai, responses_answer):
+    # openai-python's get_final_response() only accepts a stream that ends in
+    # `response.completed` (a `response.incomplete` stream raises RuntimeError in
+    # the SDK, openai/openai-python#3538), so this needs an answer that ends.
+    assert responses_answer.status == "completed", responses_answer
+    with oai.responses.stream(
+        model="ds4", input=QUESTION, temperature=0, max_output_tokens=24
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [e.type for e in events]
+    terminal = "response.completed"
+    # Collapse the deltas and check the order of the rest.
+    collapsed = [t for i, t in enumerate(types) if i == 0 or t != types[i - 1]]
+    assert collapsed == EVENT_ORDER + [terminal], types
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == responses_answer.output_text
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert done.text == deltas
+    assert final.output_text == responses_answer.output_text
+    assert final.status == responses_answer.status
+    assert final.usage.output_tokens == responses_answer.usage.output_tokens
+
+
+def test_responses_create_stream(oai, responses_answer):
+    events = list(responses_create(oai, stream=True))
+    assert events[0].type == "response.created"
+    assert events[0].response.status == "in_progress"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == responses_answer.output_text
+    assert events[-1].response.output_text == responses_answer.output_text
+
+
+def test_responses_stream_cut_by_max_output_tokens(oai):
+    events = list(
+        oai.responses.create(
+            model="ds4", input="Tell me a long story.", temperature=0, max_output_tokens=3, stream=True
+        )
+    )
+    last = events[-1]
+    assert last.type == "response.incomplete"
+    assert last.response.status == "incomplete"
+    assert last.response.incomplete_details.reason == "max_output_tokens"
+    assert last.response.usage.output_tokens == 3
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert last.response.output_text == text
+
+
+def test_chat_stream_splits_no_multibyte_character(oai):
+    # Emoji are several byte-level tokens each: a delta must never carry half of one.
+    messages = [{"role": "user", "content": "Répète: « Ça coûte 5 € à Zürich » 😀🎉"}]
+    plain = oai.chat.completions.create(
+        model="ds4", messages=messages, temperature=0, max_tokens=16
+    ).choices[0].message.content
+    deltas = [
+        c.choices[0].delta.content or ""
+        for c in oai.chat.completions.create(
+            model="ds4", messages=messages, temperature=0, max_tokens=16, stream=True
+        )
+        if c.choices
+    ]
+    assert "".join(deltas) == plain
+    assert any(ord(ch) > 0xFFFF for ch in plain), plain  # the test means something
+    # Only the very end may hold a U+FFFD: the bytes of a character that
+    # max_tokens cut in half (the server flushes them as one replacement char).
+    texts = [d for d in deltas if d]
+    assert not any("\ufffd" in d for d in texts[:-1]), deltas
+
+
+def test_unsupported_options_are_sdk_errors(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(
+            model="ds4", messages=[{"role": "user", "content": "hi"}], n=2
+        )
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == "n"
+    assert e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model="ds4", input="hi", previous_response_id="resp_1")
+    assert e.value.body["param"] == "previous_response_id"
