@@ -6,86 +6,12 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{Reply, Server};
 use serde_json::{json, Value};
-
-struct Server {
-    child: Child,
-    port: u16,
-    log: Arc<Mutex<String>>,
-}
-
-impl Server {
-    fn start(args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ds4"))
-            .args(["serve", "--port", "0", "--threads", "1", "--no-kv-disk"])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawning ds4 serve");
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let mut log = String::new();
-        let port = loop {
-            let line = lines.next().expect("ds4 serve exited early").unwrap();
-            log.push_str(&line);
-            log.push('\n');
-            if let Some(addr) = line.strip_prefix("ds4 serve: listening on http://") {
-                break addr.rsplit(':').next().unwrap().parse().unwrap();
-            }
-        };
-        let log = Arc::new(Mutex::new(log));
-        let sink = Arc::clone(&log);
-        std::thread::spawn(move || {
-            for line in lines.map_while(Result::ok) {
-                let mut l = sink.lock().unwrap();
-                l.push_str(&line);
-                l.push('\n');
-            }
-        });
-        Server { child, port, log }
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
-    }
-
-    /// Panics if the server process has exited (a crash).
-    fn assert_alive(&mut self) {
-        if let Some(status) = self.child.try_wait().unwrap() {
-            panic!("ds4 serve died: {status}\n{}", self.log());
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-struct Reply {
-    status: u16,
-    headers: String,
-    body: String,
-}
-
-impl Reply {
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
-    }
-
-    fn header(&self, name: &str) -> Option<String> {
-        self.headers.lines().find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.eq_ignore_ascii_case(name).then(|| v.trim().to_string())
-        })
-    }
-}
 
 fn io_err(e: impl std::fmt::Display) -> String {
     e.to_string()
@@ -979,7 +905,7 @@ fn reference_answers(port: u16) -> (Vec<String>, Vec<Value>) {
 
 #[test]
 fn hostile_bodies_get_dialect_errors_and_leave_the_session_intact() {
-    let mut srv = Server::start(&["--ctx", "512", "--tokens", "4"]);
+    let mut srv = Server::start(&["--no-kv-disk", "--ctx", "512", "--tokens", "4"]);
     let p = srv.port;
     let (before, _) = reference_answers(p);
     assert!(before[0].contains("Paris"), "{before:?}");
@@ -1053,7 +979,7 @@ fn health_depth(port: u16) -> u64 {
 
 #[test]
 fn a_full_queue_answers_503_with_retry_after_in_each_dialect_then_recovers() {
-    let srv = Server::start(&["--queue-max", "1"]);
+    let srv = Server::start(&["--no-kv-disk", "--queue-max", "1"]);
     let p = srv.port;
 
     // A long generation holds the engine: wait for its first token.
@@ -1191,7 +1117,7 @@ fn a_full_queue_answers_503_with_retry_after_in_each_dialect_then_recovers() {
 
 #[test]
 fn a_long_prefill_streams_keep_alive_comments_before_the_first_token() {
-    let srv = Server::start(&[]);
+    let srv = Server::start(&["--no-kv-disk"]);
     // About 1500 tokens: a prefill of well over 5 s at one thread (the interval
     // of the keep-alive comments) on any machine this runs on. The test hangs up
     // at the first comment, so it waits about 5 s, not for the whole prefill.
@@ -1252,7 +1178,7 @@ fn a_long_prefill_streams_keep_alive_comments_before_the_first_token() {
 
 #[test]
 fn one_connection_carries_several_requests() {
-    let srv = Server::start(&[]);
+    let srv = Server::start(&["--no-kv-disk"]);
     let mut s = connect(srv.port);
     let mut r = BufReader::new(s.try_clone().unwrap());
     let mut send = |method: &str, path: &str, body: &str| {

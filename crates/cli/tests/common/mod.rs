@@ -51,6 +51,13 @@ impl Server {
         self.log.lock().unwrap().clone()
     }
 
+    /// Panics if the server process has exited (a crash).
+    pub fn assert_alive(&mut self) {
+        if let Some(status) = self.child.try_wait().unwrap() {
+            panic!("ds4 serve died: {status}\n{}", self.log());
+        }
+    }
+
     /// SIGTERM, then wait for a clean exit.
     pub fn stop(mut self) -> String {
         let _ = Command::new("kill")
