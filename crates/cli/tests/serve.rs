@@ -485,3 +485,37 @@ fn sigterm_during_a_long_prefill_cancels_it_and_exits_promptly() {
         r.body
     );
 }
+
+#[test]
+fn a_failure_after_the_stream_started_is_the_dialects_error_event() {
+    let srv = Server::start(&["--no-kv-disk", "--prefill-chunk", "64"]);
+    let story = include_str!("../../../bench/carrow_point.txt");
+    let port = srv.port;
+    let body = json!({"model": "m", "max_tokens": 4, "stream": true,
+                      "messages": [{"role": "user", "content": story}]});
+    let client = std::thread::spawn(move || post(port, "/v1/messages", &body));
+    // The headers and `message_start` go out before the prefill; stopping the
+    // server mid-prefill fails the request after the stream has begun.
+    std::thread::sleep(Duration::from_secs(2));
+    srv.stop();
+    let r = client.join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.body.contains("event: message_start"), "{}", r.body);
+    let error = r
+        .body
+        .split("event: error\n")
+        .nth(1)
+        .expect("an error event")
+        .lines()
+        .next()
+        .unwrap();
+    let v: Value = serde_json::from_str(error.strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(v["type"], "error");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("cancelled"),
+        "{v}"
+    );
+}
