@@ -35,28 +35,6 @@ fn france() -> Value {
     json!([{ "role": "user", "content": FRANCE }])
 }
 
-/// The `(event, data)` pairs of an SSE body (comments skipped).
-fn sse_events(body: &str) -> Vec<(String, Value)> {
-    body.split("\n\n")
-        .filter_map(|block| {
-            let mut name = None;
-            let mut data = None;
-            for l in block.lines() {
-                if let Some(n) = l.strip_prefix("event: ") {
-                    name = Some(n.to_string());
-                } else if let Some(d) = l.strip_prefix("data: ") {
-                    data = Some(serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")));
-                }
-            }
-            match (name, data) {
-                (Some(n), Some(d)) => Some((n, d)),
-                (None, None) => None,
-                (n, d) => panic!("SSE block without both event and data: {n:?} {d:?}"),
-            }
-        })
-        .collect()
-}
-
 fn n(v: &Value) -> u64 {
     v.as_u64().unwrap_or_else(|| panic!("not a count: {v}"))
 }

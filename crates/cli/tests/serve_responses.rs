@@ -7,24 +7,6 @@ mod common;
 use common::*;
 use serde_json::{json, Value};
 
-/// The `(event name, data)` pairs of an SSE body (keep-alive comments skipped).
-fn sse_events(body: &str) -> Vec<(String, Value)> {
-    body.split("\n\n")
-        .filter_map(|block| {
-            let mut name = None;
-            let mut data = None;
-            for l in block.lines() {
-                if let Some(n) = l.strip_prefix("event: ") {
-                    name = Some(n.to_string());
-                } else if let Some(d) = l.strip_prefix("data: ") {
-                    data = Some(serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")));
-                }
-            }
-            Some((name?, data?))
-        })
-        .collect()
-}
-
 fn ask(extra: Value) -> Value {
     let mut b = json!({
         "model": "anything",

@@ -160,3 +160,25 @@ pub fn temp_dir(tag: &str) -> PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// The `(event, data)` pairs of an SSE body (comments skipped).
+pub fn sse_events(body: &str) -> Vec<(String, Value)> {
+    body.split("\n\n")
+        .filter_map(|block| {
+            let mut name = None;
+            let mut data = None;
+            for l in block.lines() {
+                if let Some(n) = l.strip_prefix("event: ") {
+                    name = Some(n.to_string());
+                } else if let Some(d) = l.strip_prefix("data: ") {
+                    data = Some(serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")));
+                }
+            }
+            match (name, data) {
+                (Some(n), Some(d)) => Some((n, d)),
+                (None, None) => None,
+                (n, d) => panic!("SSE block without both event and data: {n:?} {d:?}"),
+            }
+        })
+        .collect()
+}
