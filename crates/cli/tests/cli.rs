@@ -144,10 +144,11 @@ fn dump_tokens_shows_ids_and_pieces() {
     assert_eq!(lines.last(), Some(&"4 tokens"));
 }
 
-#[test]
-fn chat_answers_the_capital_of_france() {
+/// Runs `ds4 chat ARGS` with `input` on stdin and checks that it exits cleanly.
+fn chat(args: &[&str], input: &str) -> Output {
     let mut child = ds4()
-        .args(["chat", "--temp", "0", "-n", "48"])
+        .arg("chat")
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -157,12 +158,19 @@ fn chat_answers_the_capital_of_france() {
         .stdin
         .take()
         .unwrap()
-        .write_all(
-            b"What is the capital of France?\n/reset\nWhat is the capital of France?\n/exit\n",
-        )
+        .write_all(input.as_bytes())
         .unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
+    out
+}
+
+#[test]
+fn chat_answers_the_capital_of_france() {
+    let out = chat(
+        &["--temp", "0", "-n", "48"],
+        "What is the capital of France?\n/reset\nWhat is the capital of France?\n/exit\n",
+    );
     let text = stdout(&out);
     let answers: Vec<&str> = text
         .split("> ")
@@ -259,37 +267,21 @@ fn teacher_forced_replay_of_a_golden_vector() {
 }
 
 fn chat_once(kv_dir: &Path, question: &str) -> Output {
-    let mut child = ds4()
-        .args([
-            "chat",
-            "--temp",
-            "0",
-            "-n",
-            "24",
-            "--kv-cache-min-tokens",
-            "16",
-        ])
-        .args([
-            "--system",
-            "You are a terse assistant. Answer geography questions in one short sentence.",
-        ])
-        .arg("--kv-disk-dir")
-        .arg(kv_dir)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let input = format!("{question}\n/exit\n");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    out
+    let system = "You are a terse assistant. Answer geography questions in one short sentence.";
+    let kv = kv_dir.to_str().unwrap();
+    let args = [
+        "--temp",
+        "0",
+        "-n",
+        "24",
+        "--kv-cache-min-tokens",
+        "16",
+        "--system",
+        system,
+        "--kv-disk-dir",
+        kv,
+    ];
+    chat(&args, &format!("{question}\n/exit\n"))
 }
 
 #[test]
@@ -416,39 +408,28 @@ fn bench_prefix_reuse_reports_the_ratio() {
 #[test]
 fn chat_saves_continued_checkpoints_at_the_policy_step() {
     let dir = temp_dir("continued");
-    let mut child = ds4()
-        .args([
-            "chat",
-            "--temp",
-            "0",
-            "-n",
-            "24",
-            "--kv-cache-min-tokens",
-            "16",
-        ])
-        .args([
-            "--kv-cache-continued-interval-tokens",
-            "40",
-            "--kv-cache-boundary-align-tokens",
-            "16",
-        ])
-        .args(["--system", "You are a terse assistant.", "--kv-disk-dir"])
-        .arg(dir.join("kv"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let input = "What is the capital of France?\nAnd of Italy?\nAnd of Spain?\n/exit\n";
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let kv = dir.join("kv");
+    let args = [
+        "--temp",
+        "0",
+        "-n",
+        "24",
+        "--kv-cache-min-tokens",
+        "16",
+        "--kv-cache-continued-interval-tokens",
+        "40",
+        "--kv-cache-boundary-align-tokens",
+        "16",
+        "--system",
+        "You are a terse assistant.",
+        "--kv-disk-dir",
+        kv.to_str().unwrap(),
+    ];
+    let out = chat(
+        &args,
+        "What is the capital of France?\nAnd of Italy?\nAnd of Spain?\n/exit\n",
+    );
     let err = stderr(&out);
-    assert!(out.status.success(), "{err}");
     // The step is 40 rounded up to the alignment: 48, then 96 (cut during prefill
     // or reached while decoding).
     for tokens in ["tokens=48 reason=continued", "tokens=96 reason=continued"] {
