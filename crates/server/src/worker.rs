@@ -296,7 +296,7 @@ impl WorkerState {
         if let Some(t) = &self.trace {
             t.write(json!({
                 "event": "cache", "id": job.id, "cache_source": source.as_str(), "reused_tokens": reused,
-                "prompt_tokens": ids.len(), "live_tokens_before": self.session.tokens().len().max(reused),
+                "prompt_tokens": ids.len(),
                 "checkpoint_file": checkpoint.as_ref().map(|f| f.display().to_string()),
             }));
         }
