@@ -91,8 +91,9 @@ pub trait ToolSyntax: Send + Sync {
     /// Text appended after the generation prompt that forces a call
     /// (`Required`: any tool; `Named`: that tool). `None` for `Auto` / `None`.
     fn forced_prefix(&self, choice: &ToolChoice) -> Option<String>;
-    /// A fresh incremental parser for one generated turn.
-    fn parser(&self) -> Box<dyn ToolParser>;
+    /// A fresh incremental parser for one generated turn; `tools` are the offered
+    /// tools (some syntaxes need the schemas to type argument values).
+    fn parser(&self, tools: &[ToolSpec]) -> Box<dyn ToolParser>;
 }
 
 /// Incremental parser of one generated turn.
