@@ -47,6 +47,21 @@ pub struct ServeArgs {
     /// In the trace, show prompts only as SHA-1 and length.
     #[arg(long, requires = "trace")]
     pub trace_redact: bool,
+    /// Render resent tool calls canonically instead of from the exact text the
+    /// model sampled (for comparison: resent history then misses the cache).
+    #[arg(long)]
+    pub disable_exact_tool_replay: bool,
+    /// Tool-call ids remembered for exact replay (least recently used evicted).
+    #[arg(long, default_value_t = 100_000, value_name = "N")]
+    pub tool_memory_max_ids: usize,
+    /// Keep prompts byte-for-byte: do not remove volatile client bytes (Claude
+    /// Code's `cch=` billing nonce, --normalize-regex patterns) before rendering.
+    #[arg(long)]
+    pub no_normalize_prompts: bool,
+    /// Also remove matches of this regex from system and user text before
+    /// rendering (repeatable).
+    #[arg(long, value_name = "REGEX", conflicts_with = "no_normalize_prompts")]
+    pub normalize_regex: Vec<String>,
 }
 
 pub fn run(a: &ServeArgs) -> Result<()> {
@@ -74,8 +89,12 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         model_name: path
             .file_stem()
             .map_or_else(|| "ds4".into(), |s| s.to_string_lossy().into_owned()),
+        exact_tool_replay: !a.disable_exact_tool_replay,
+        tool_memory_max_ids: a.tool_memory_max_ids,
+        normalize: (!a.no_normalize_prompts).then(|| a.normalize_regex.clone()),
     };
-    let app = router(cfg, worker.handle.clone(), model, metrics);
+    let app = router(cfg, worker.handle.clone(), model, metrics)
+        .context("invalid --normalize-regex pattern")?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -2,19 +2,24 @@
 //! `POST /v1/messages/count_tokens`. Requests are parsed into a [`Request`];
 //! responses, SSE events and errors are built in Anthropic's shapes.
 //!
-//! Text only for now: tool use, extended thinking, images and documents are refused
-//! with a 400 that says so. Decided on purpose:
+//! Text, tool use (`tool_use` / `tool_result` blocks, `tool_choice`) and thinking
+//! controls; images and documents are refused with a 400 that says so. Decided on
+//! purpose:
 //! * `stop_reason` is `end_turn` for a matched stop sequence too, and
 //!   `stop_sequence` is always `null`: the worker reports one `Stop` for both.
-//! * `thinking` / `redacted_thinking` blocks of earlier turns are dropped, as
-//!   Anthropic's API drops them from the context.
+//! * `thinking` blocks of earlier turns are kept as the message's reasoning (the
+//!   family's template decides whether to render it); `redacted_thinking` is
+//!   dropped.
+//! * `cache_control` on a block marks the end of its message (or of the system
+//!   prompt) as a checkpoint boundary.
+//! * Hosted server tools (web search, …) are not ours to run: they are skipped.
 //! * `system` parts that are empty or start with `x-anthropic-` (Claude Code's
 //!   per-request billing header) are dropped so they do not break prefix reuse;
 //!   the rest are joined with `"\n"` (as the original ds4 does).
 //! * A final assistant message (Anthropic's "prefill") is refused: the chat
 //!   template can only close it and open a new turn, which is not what it means.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -22,13 +27,18 @@ use axum::http::StatusCode;
 use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use ds4_chat::{Message, Role};
+use ds4_chat::{Message, Role, ToolCall, ToolChoice};
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
-use crate::dialect::{named, BadRequest, Dialect, ErrorKind, Gen, Input, Request};
+use crate::dialect::{
+    named, think_control, think_mode, AgentOptions, BadRequest, Dialect, ErrorKind, Gen, Input,
+    Request,
+};
 use crate::http::{self, AppState};
 use crate::openai::default_sampling;
+use crate::turn::{CallOut, Piece, Turn};
 use crate::worker::{FinishReason, Usage};
 
 #[derive(Deserialize)]
@@ -42,8 +52,16 @@ struct Body {
     top_k: Option<u64>,
     stop_sequences: Option<Vec<String>>,
     stream: Option<bool>,
-    tools: Option<Vec<Value>>,
+    tools: Option<Box<RawValue>>,
+    tool_choice: Option<Value>,
     thinking: Option<Value>,
+    output_config: Option<OutputConfig>,
+    reasoning_effort: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct OutputConfig {
+    effort: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -65,22 +83,18 @@ pub fn parse_count_tokens(body: &[u8]) -> Result<Request, BadRequest> {
 fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
     let b: Body = serde_json::from_slice(body)
         .map_err(|e| BadRequest::new(format!("invalid JSON request: {e}"), None))?;
-    if b.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(BadRequest::new(
-            "tools: tool use is not supported yet",
-            Some("tools"),
-        ));
-    }
-    match &b.thinking {
-        None | Some(Value::Null) => {}
-        Some(t) if t.get("type").and_then(Value::as_str) == Some("disabled") => {}
-        Some(_) => {
-            return Err(BadRequest::new(
-                "thinking: thinking is not supported yet (omit it or send {\"type\":\"disabled\"})",
-                Some("thinking"),
-            ))
-        }
-    }
+    let tools = crate::tooling::parse_tools(b.tools.as_deref())
+        .map_err(|m| BadRequest::new(format!("tools: {m}"), Some("tools")))?;
+    let control = b
+        .thinking
+        .as_ref()
+        .map(|t| think_control(t, "thinking"))
+        .transpose()?;
+    let effort = b
+        .output_config
+        .and_then(|o| o.effort)
+        .or(b.reasoning_effort);
+    let think = think_mode(control, effort.as_deref(), b.model.as_deref(), "output_config")?;
     let max_tokens = match b.max_tokens {
         None if need_max_tokens => {
             return Err(BadRequest::new(
@@ -134,13 +148,19 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
         ));
     }
     let mut out = Vec::with_capacity(msgs.len() + 1);
+    let mut breakpoints = Vec::new();
+    let system_marked = b.system.as_ref().is_some_and(has_cache_control);
     if let Some(s) = system_text(b.system)? {
         out.push(Message::new(Role::System, s));
+        if system_marked {
+            breakpoints.push(usize::MAX);
+        }
     }
     let last = msgs.len() - 1;
     for (i, m) in msgs.into_iter().enumerate() {
-        let role = match m.role.as_str() {
-            "user" => Role::User,
+        let marked = has_cache_control(&m.content);
+        match m.role.as_str() {
+            "user" => out.extend(user_messages(m.content, i)?),
             "assistant" if i == last => {
                 return Err(BadRequest::new(
                     format!(
@@ -149,7 +169,7 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
                     Some("messages"),
                 ))
             }
-            "assistant" => Role::Assistant,
+            "assistant" => out.push(assistant_message(m.content, i)?),
             other => {
                 return Err(BadRequest::new(
                     format!(
@@ -160,8 +180,18 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
                 ))
             }
         };
-        out.push(Message::new(role, content_text(m.content, i)?));
+        if marked {
+            breakpoints.push(out.len() - 1);
+        }
     }
+    let agent = AgentOptions {
+        tools,
+        tool_choice: tool_choice(b.tool_choice.as_ref())?,
+        think,
+        cache_breakpoints: breakpoints,
+        cache_key: None,
+    };
+    agent.validate()?;
     Ok(Request {
         model: b.model,
         input: Input::Messages(out),
@@ -170,7 +200,36 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
         stop,
         stream: b.stream.unwrap_or(false),
         include_usage: false,
+        agent,
     })
+}
+
+/// Anthropic `tool_choice`: `{"type": "auto" | "any" | "none" | "tool", "name"}`.
+fn tool_choice(v: Option<&Value>) -> Result<ToolChoice, BadRequest> {
+    let bad = |m: &str| BadRequest::new(format!("tool_choice: {m}"), Some("tool_choice"));
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(ToolChoice::Auto);
+    };
+    Ok(match v.get("type").and_then(Value::as_str) {
+        Some("auto") => ToolChoice::Auto,
+        Some("any") => ToolChoice::Required,
+        Some("none") => ToolChoice::None,
+        Some("tool") => match v.get("name").and_then(Value::as_str) {
+            Some(n) => ToolChoice::Named(n.to_string()),
+            None => return Err(bad("type \"tool\" needs a string `name`")),
+        },
+        _ => return Err(bad("`type` must be auto, any, tool or none")),
+    })
+}
+
+/// Whether a content value (or any of its blocks) carries `cache_control`.
+fn has_cache_control(v: &Value) -> bool {
+    match v {
+        Value::Array(blocks) => blocks
+            .iter()
+            .any(|b| b.get("cache_control").is_some_and(|c| !c.is_null())),
+        _ => false,
+    }
 }
 
 /// The system prompt: a string, null, or an array of text blocks (bare strings
@@ -216,58 +275,119 @@ fn system_text(v: Option<Value>) -> Result<Option<String>, BadRequest> {
     Ok((!out.is_empty()).then_some(out))
 }
 
-/// Text of message `i`'s `content`: a string, or the concatenated `text` blocks.
-fn content_text(v: Value, i: usize) -> Result<String, BadRequest> {
+/// The blocks of a message's `content`: a string is one text block.
+fn blocks(v: Value, i: usize) -> Result<Vec<Value>, BadRequest> {
+    match v {
+        Value::String(s) => Ok(vec![json!({ "type": "text", "text": s })]),
+        Value::Null => Ok(vec![]),
+        Value::Array(a) => Ok(a),
+        _ => Err(BadRequest::new(
+            format!("messages.{i}.content: must be a string or an array of content blocks"),
+            Some("messages"),
+        )),
+    }
+}
+
+/// A block's `type`, refusing what no message may hold.
+fn block_type(b: &Value, i: usize, j: usize) -> Result<String, BadRequest> {
     let bad = |m: String| BadRequest::new(m, Some("messages"));
-    let blocks = match v {
-        Value::String(s) => return Ok(s),
-        Value::Null => return Ok(String::new()),
-        Value::Array(a) => a,
-        _ => {
-            return Err(bad(format!(
-                "messages.{i}.content: must be a string or an array of content blocks"
-            )))
-        }
-    };
-    let mut out = String::new();
-    for (j, b) in blocks.into_iter().enumerate() {
-        if let Value::String(s) = &b {
-            out.push_str(s);
-            continue;
-        }
-        match b.get("type").and_then(Value::as_str) {
-            Some("text") => match b.get("text").and_then(Value::as_str) {
-                Some(t) => out.push_str(t),
-                None => {
-                    return Err(bad(format!(
-                        "messages.{i}.content.{j}.text: a string is required"
-                    )))
+    match b.get("type").and_then(Value::as_str) {
+        Some(ty @ ("image" | "document")) => Err(bad(format!(
+            "messages.{i}.content.{j}: {ty} blocks are not supported (text only)"
+        ))),
+        Some(ty) => Ok(ty.to_string()),
+        None if b.is_string() => Ok("text".into()),
+        None => Err(bad(format!(
+            "messages.{i}.content.{j}.type: a string is required"
+        ))),
+    }
+}
+
+/// A string field of block `j` of message `i`.
+fn text_field<'a>(b: &'a Value, field: &str, i: usize, j: usize) -> Result<&'a str, BadRequest> {
+    if let Value::String(s) = b {
+        return Ok(s);
+    }
+    b.get(field).and_then(Value::as_str).ok_or_else(|| {
+        BadRequest::new(
+            format!("messages.{i}.content.{j}.{field}: a string is required"),
+            Some("messages"),
+        )
+    })
+}
+
+/// A user message: its `tool_result` blocks become tool messages (first, as
+/// Anthropic requires them first), its text blocks one user message.
+fn user_messages(content: Value, i: usize) -> Result<Vec<Message>, BadRequest> {
+    let mut out = Vec::new();
+    let mut text = String::new();
+    let mut has_text = false;
+    for (j, b) in blocks(content, i)?.into_iter().enumerate() {
+        match block_type(&b, i, j)?.as_str() {
+            "text" => {
+                text.push_str(text_field(&b, "text", i, j)?);
+                has_text = true;
+            }
+            "tool_result" => {
+                let id = text_field(&b, "tool_use_id", i, j)?.to_string();
+                let mut result = String::new();
+                for (k, part) in blocks(b.get("content").cloned().unwrap_or(Value::Null), i)?
+                    .iter()
+                    .enumerate()
+                {
+                    match part.get("type").and_then(Value::as_str) {
+                        Some("text") | None => result.push_str(text_field(part, "text", i, j)?),
+                        Some(ty) => {
+                            return Err(BadRequest::new(
+                                format!("messages.{i}.content.{j}.content.{k}: {ty} blocks are not supported in tool results (text only)"),
+                                Some("messages"),
+                            ))
+                        }
+                    }
                 }
-            },
-            Some("thinking" | "redacted_thinking") => {}
-            Some(ty @ ("image" | "document")) => {
-                return Err(bad(format!(
-                    "messages.{i}.content.{j}: {ty} blocks are not supported (text only)"
-                )))
+                let mut m = Message::new(Role::Tool, result);
+                m.tool_call_id = Some(id);
+                out.push(m);
             }
-            Some(ty @ ("tool_use" | "tool_result")) => {
-                return Err(bad(format!(
-                    "messages.{i}.content.{j}: {ty} blocks are not supported yet (no tool use)"
-                )))
-            }
-            Some(ty) => {
-                return Err(bad(format!(
-                    "messages.{i}.content.{j}: {ty} blocks are not supported"
-                )))
-            }
-            None => {
-                return Err(bad(format!(
-                    "messages.{i}.content.{j}.type: a string is required"
-                )))
+            ty => {
+                return Err(BadRequest::new(
+                    format!("messages.{i}.content.{j}: {ty} blocks are not supported in user messages"),
+                    Some("messages"),
+                ))
             }
         }
     }
+    if has_text || out.is_empty() {
+        out.push(Message::new(Role::User, text));
+    }
     Ok(out)
+}
+
+/// An assistant message: text, thinking (kept as reasoning) and tool calls.
+fn assistant_message(content: Value, i: usize) -> Result<Message, BadRequest> {
+    let mut m = Message::new(Role::Assistant, "");
+    for (j, b) in blocks(content, i)?.into_iter().enumerate() {
+        match block_type(&b, i, j)?.as_str() {
+            "text" => m.content.push_str(text_field(&b, "text", i, j)?),
+            "thinking" => {
+                let t = text_field(&b, "thinking", i, j)?;
+                m.reasoning.get_or_insert_with(String::new).push_str(t);
+            }
+            "redacted_thinking" => {}
+            "tool_use" => m.tool_calls.push(ToolCall {
+                id: text_field(&b, "id", i, j)?.to_string(),
+                name: text_field(&b, "name", i, j)?.to_string(),
+                arguments: b.get("input").map_or_else(|| "{}".into(), Value::to_string),
+            }),
+            ty => {
+                return Err(BadRequest::new(
+                    format!("messages.{i}.content.{j}: {ty} blocks are not supported in assistant messages"),
+                    Some("messages"),
+                ))
+            }
+        }
+    }
+    Ok(m)
 }
 
 /// Anthropic's usage object. The prompt splits into three disjoint parts: tokens
@@ -291,6 +411,7 @@ fn stop_reason(f: FinishReason) -> &'static str {
     match f {
         FinishReason::Stop => "end_turn",
         FinishReason::Length => "max_tokens",
+        FinishReason::ToolCalls => "tool_use",
     }
 }
 
@@ -312,22 +433,100 @@ pub fn error_body(status: StatusCode, message: &str, kind: ErrorKind) -> Value {
     json!({ "type": "error", "error": { "type": ty, "message": message } })
 }
 
-/// The Anthropic Messages wire format.
-pub struct Anthropic;
+/// A tool call's arguments as the `input` object (`{}` if they are not one).
+fn input_json(c: &CallOut) -> Value {
+    serde_json::from_str::<Value>(&c.arguments)
+        .ok()
+        .filter(Value::is_object)
+        .unwrap_or_else(|| json!({}))
+}
+
+/// The content block a stream has open.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Open {
+    Thinking,
+    Text,
+}
+
+#[derive(Debug, Default)]
+struct Blocks {
+    /// Index of the next content block.
+    next: usize,
+    open: Option<Open>,
+}
+
+/// The Anthropic Messages wire format of one request (a stream numbers its
+/// content blocks).
+#[derive(Debug, Default)]
+pub struct Anthropic {
+    blocks: Mutex<Blocks>,
+}
+
+impl Anthropic {
+    /// Closes the open block (a thinking block gets its signature first).
+    fn close(&self, g: &Gen, b: &mut Blocks, out: &mut Vec<SseEvent>) {
+        let Some(open) = b.open.take() else { return };
+        let index = b.next - 1;
+        if open == Open::Thinking {
+            out.push(named(
+                "content_block_delta",
+                &json!({ "type": "content_block_delta", "index": index,
+                         "delta": { "type": "signature_delta", "signature": message_id(g) } }),
+            ));
+        }
+        out.push(named(
+            "content_block_stop",
+            &json!({ "type": "content_block_stop", "index": index }),
+        ));
+    }
+
+    /// Opens a block of `kind` unless it is the open one; returns its index.
+    fn open(&self, g: &Gen, b: &mut Blocks, kind: Open, out: &mut Vec<SseEvent>) -> usize {
+        if b.open == Some(kind) {
+            return b.next - 1;
+        }
+        self.close(g, b, out);
+        let block = match kind {
+            Open::Thinking => json!({ "type": "thinking", "thinking": "" }),
+            Open::Text => json!({ "type": "text", "text": "" }),
+        };
+        out.push(named(
+            "content_block_start",
+            &json!({ "type": "content_block_start", "index": b.next, "content_block": block }),
+        ));
+        b.open = Some(kind);
+        b.next += 1;
+        b.next - 1
+    }
+}
 
 impl Dialect for Anthropic {
     fn id_prefix(&self) -> &'static str {
         "msg"
     }
 
+    fn call_id_prefix(&self) -> &'static str {
+        "toolu_"
+    }
+
     fn error(&self, status: StatusCode, message: &str, kind: ErrorKind) -> Response {
         (status, Json(error_body(status, message, kind))).into_response()
     }
 
-    fn complete(&self, g: &Gen, text: &str, finish: FinishReason, u: &Usage) -> Value {
+    fn complete(&self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
+        let mut content = Vec::new();
+        if !turn.reasoning.is_empty() {
+            content.push(json!({ "type": "thinking", "thinking": turn.reasoning, "signature": message_id(g) }));
+        }
+        if !turn.content.is_empty() || turn.calls.is_empty() {
+            content.push(json!({ "type": "text", "text": turn.content }));
+        }
+        for c in &turn.calls {
+            content.push(json!({ "type": "tool_use", "id": c.id, "name": c.name, "input": input_json(c) }));
+        }
         json!({
             "id": message_id(g), "type": "message", "role": "assistant", "model": g.model,
-            "content": [{ "type": "text", "text": text }],
+            "content": content,
             "stop_reason": stop_reason(finish), "stop_sequence": null,
             "usage": usage_json(u),
         })
@@ -344,21 +543,53 @@ impl Dialect for Anthropic {
                 "message_start",
                 &json!({ "type": "message_start", "message": message }),
             ),
-            named(
-                "content_block_start",
-                &json!({ "type": "content_block_start", "index": 0,
-                         "content_block": { "type": "text", "text": "" } }),
-            ),
             named("ping", &json!({ "type": "ping" })),
         ]
     }
 
-    fn stream_text(&self, _g: &Gen, text: &str) -> Vec<SseEvent> {
-        vec![named(
-            "content_block_delta",
-            &json!({ "type": "content_block_delta", "index": 0,
-                     "delta": { "type": "text_delta", "text": text } }),
-        )]
+    fn stream_piece(&self, g: &Gen, piece: &Piece) -> Vec<SseEvent> {
+        let mut out = Vec::new();
+        let Ok(mut b) = self.blocks.lock() else {
+            return out;
+        };
+        match piece {
+            Piece::Reasoning(t) => {
+                let index = self.open(g, &mut b, Open::Thinking, &mut out);
+                out.push(named(
+                    "content_block_delta",
+                    &json!({ "type": "content_block_delta", "index": index,
+                             "delta": { "type": "thinking_delta", "thinking": t } }),
+                ));
+            }
+            Piece::Text(t) => {
+                let index = self.open(g, &mut b, Open::Text, &mut out);
+                out.push(named(
+                    "content_block_delta",
+                    &json!({ "type": "content_block_delta", "index": index,
+                             "delta": { "type": "text_delta", "text": t } }),
+                ));
+            }
+            Piece::Call(_, c) => {
+                self.close(g, &mut b, &mut out);
+                let index = b.next;
+                b.next += 1;
+                out.push(named(
+                    "content_block_start",
+                    &json!({ "type": "content_block_start", "index": index,
+                             "content_block": { "type": "tool_use", "id": c.id, "name": c.name, "input": {} } }),
+                ));
+                out.push(named(
+                    "content_block_delta",
+                    &json!({ "type": "content_block_delta", "index": index,
+                             "delta": { "type": "input_json_delta", "partial_json": c.arguments } }),
+                ));
+                out.push(named(
+                    "content_block_stop",
+                    &json!({ "type": "content_block_stop", "index": index }),
+                ));
+            }
+        }
+        out
     }
 
     /// `message_delta` carries the whole final usage (as Anthropic's does today):
@@ -366,25 +597,28 @@ impl Dialect for Anthropic {
     /// `message_start` usage has `cache_creation_input_tokens` 0.
     fn stream_end(
         &self,
-        _g: &Gen,
-        _text: &str,
+        g: &Gen,
+        _turn: &Turn,
         finish: FinishReason,
         u: &Usage,
         _include_usage: bool,
     ) -> Vec<SseEvent> {
-        vec![
-            named(
-                "content_block_stop",
-                &json!({ "type": "content_block_stop", "index": 0 }),
-            ),
-            named(
-                "message_delta",
-                &json!({ "type": "message_delta",
-                         "delta": { "stop_reason": stop_reason(finish), "stop_sequence": null },
-                         "usage": usage_json(u) }),
-            ),
-            named("message_stop", &json!({ "type": "message_stop" })),
-        ]
+        let mut out = Vec::new();
+        if let Ok(mut b) = self.blocks.lock() {
+            if b.next == 0 {
+                // An empty answer still has its (empty) text block.
+                self.open(g, &mut b, Open::Text, &mut out);
+            }
+            self.close(g, &mut b, &mut out);
+        }
+        out.push(named(
+            "message_delta",
+            &json!({ "type": "message_delta",
+                     "delta": { "stop_reason": stop_reason(finish), "stop_sequence": null },
+                     "usage": usage_json(u) }),
+        ));
+        out.push(named("message_stop", &json!({ "type": "message_stop" })));
+        out
     }
 
     fn stream_error(&self, _g: &Gen, message: &str) -> Vec<SseEvent> {
@@ -401,7 +635,7 @@ impl Dialect for Anthropic {
 
 /// `POST /v1/messages`.
 pub(crate) async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let d: Arc<dyn Dialect> = Arc::new(Anthropic);
+    let d: Arc<dyn Dialect> = Arc::new(Anthropic::default());
     match parse_messages(&body) {
         Ok(p) => http::run(st, p, d).await,
         Err(e) => d.bad_request(e),
@@ -411,13 +645,13 @@ pub(crate) async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Re
 /// `POST /v1/messages/count_tokens`: the tokens of the rendered prompt, tokenized
 /// as the worker tokenizes a cold prompt.
 pub(crate) async fn count_tokens(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let d = Anthropic;
-    let p = match parse_count_tokens(&body) {
+    let d = Anthropic::default();
+    let mut p = match parse_count_tokens(&body) {
         Ok(p) => p,
         Err(e) => return d.bad_request(e),
     };
-    let prompt = match http::render(&st, &p.input) {
-        Ok(s) => s,
+    let prompt = match http::render(&st, &mut p) {
+        Ok(r) => r.prompt,
         Err(msg) => return d.error(StatusCode::BAD_REQUEST, msg, ErrorKind::InvalidRequest),
     };
     // Tokenizing a long conversation is CPU work: keep it off the async threads.
@@ -466,7 +700,10 @@ mod tests {
             &[
                 Message::new(Role::System, "Be brief.\nBe kind."),
                 Message::new(Role::User, "hi"),
-                Message::new(Role::Assistant, "hello"),
+                Message {
+                    reasoning: Some("hm".into()),
+                    ..Message::new(Role::Assistant, "hello")
+                },
                 Message::new(Role::User, "ab"),
             ]
         );
@@ -487,6 +724,48 @@ mod tests {
         .unwrap();
         assert!(matches!(&p.input, Input::Messages(m) if m.len() == 1 && m[0].role == Role::User));
         assert!(!p.stream);
+    }
+
+    #[test]
+    fn tool_use_and_results_become_calls_and_tool_messages() {
+        let p = parse_messages(
+            br#"{"max_tokens":9,"tool_choice":{"type":"tool","name":"ls"},
+            "thinking":{"type":"disabled"},
+            "tools":[{"name":"ls","description":"list","input_schema":{"type":"object","properties":{"dir":{"type":"string"}}},
+                      "cache_control":{"type":"ephemeral"}},
+                     {"type":"web_search_20250305","name":"web_search","max_uses":2}],
+            "system":[{"type":"text","text":"sys","cache_control":{"type":"ephemeral"}}],
+            "messages":[{"role":"user","content":"list /"},
+              {"role":"assistant","content":[{"type":"text","text":"Sure."},
+                 {"type":"tool_use","id":"toolu_1","name":"ls","input":{"dir":"/","all":true}}]},
+              {"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_1",
+                 "content":[{"type":"text","text":"bin\netc"}]},{"type":"text","text":"and?",
+                 "cache_control":{"type":"ephemeral"}}]}]}"#,
+        )
+        .unwrap();
+        let Input::Messages(m) = &p.input else {
+            panic!()
+        };
+        assert_eq!(m.len(), 5);
+        assert_eq!(
+            m[2].tool_calls,
+            vec![ToolCall {
+                id: "toolu_1".into(),
+                name: "ls".into(),
+                arguments: r#"{"dir":"/","all":true}"#.into()
+            }]
+        );
+        assert_eq!((m[2].content.as_str(), m[3].role), ("Sure.", Role::Tool));
+        assert_eq!(
+            (m[3].content.as_str(), m[3].tool_call_id.as_deref()),
+            ("bin\netc", Some("toolu_1"))
+        );
+        assert_eq!(m[4], Message::new(Role::User, "and?"));
+        let a = &p.agent;
+        assert_eq!(a.tools.len(), 1, "the hosted web search tool is skipped");
+        assert_eq!(a.tool_choice, ToolChoice::Named("ls".into()));
+        assert_eq!(a.think, ds4_chat::ThinkMode::None);
+        assert_eq!(a.cache_breakpoints, vec![usize::MAX, 4]);
     }
 
     #[test]
@@ -520,19 +799,17 @@ mod tests {
             bad(&user(r#"[{"type":"text","text":"a"},{"type":"document"}]"#))
                 .starts_with("messages.0.content.1: document blocks are not supported")
         );
+        assert!(bad(&user(r#"[{"type":"tool_result","content":"x"}]"#))
+            .contains("messages.0.content.0.tool_use_id: a string is required"));
         assert!(bad(&user(
-            r#"[{"type":"tool_result","tool_use_id":"t","content":"x"}]"#
+            r#"[{"type":"tool_result","tool_use_id":"t","content":[{"type":"image"}]}]"#
         ))
-        .contains("tool_result blocks are not supported yet"));
+        .contains("not supported in tool results"));
+        assert!(bad(&user(r#"[{"type":"tool_use","id":"t","name":"f","input":{}}]"#))
+            .contains("tool_use blocks are not supported in user messages"));
         assert!(bad(&user(r#"[{"type":"text"}]"#)).contains("content.0.text"));
         assert!(bad(&user(r#"[{"text":"x"}]"#)).contains("content.0.type"));
         assert!(bad(&user("5")).contains("must be a string or an array"));
-        assert!(bad(
-            r#"{"max_tokens":1,"messages":[{"role":"user","content":"x"},
-                {"role":"assistant","content":[{"type":"tool_use","id":"t","name":"f","input":{}}]},
-                {"role":"user","content":"y"}]}"#
-        )
-        .contains("messages.1.content.0: tool_use blocks"));
         assert!(
             bad(r#"{"max_tokens":1,"messages":[{"role":"system","content":"x"}]}"#)
                 .contains("unknown role \"system\"")
@@ -542,13 +819,25 @@ mod tests {
         )
         .contains("prefill"));
         assert!(bad(
-            r#"{"max_tokens":1,"tools":[{"name":"f","input_schema":{}}],"messages":[{"role":"user","content":"x"}]}"#
+            r#"{"max_tokens":1,"tools":[{"input_schema":{}}],"messages":[{"role":"user","content":"x"}]}"#
         )
-        .starts_with("tools: tool use is not supported yet"));
+        .starts_with("tools: tools[0]: a non-empty string `name` is required"));
         assert!(bad(
-            r#"{"max_tokens":1,"thinking":{"type":"enabled","budget_tokens":1024},"messages":[{"role":"user","content":"x"}]}"#
+            r#"{"max_tokens":1,"tool_choice":{"type":"tool","name":"g"},"tools":[{"name":"f","input_schema":{}}],"messages":[{"role":"user","content":"x"}]}"#
         )
-        .contains("thinking is not supported yet"));
+        .contains("unknown tool \"g\""));
+        assert!(bad(
+            r#"{"max_tokens":1,"tool_choice":{"type":"any"},"messages":[{"role":"user","content":"x"}]}"#
+        )
+        .contains("no tools were given"));
+        assert!(bad(
+            r#"{"max_tokens":1,"thinking":{"type":"sometimes"},"messages":[{"role":"user","content":"x"}]}"#
+        )
+        .contains("thinking.type"));
+        assert!(bad(
+            r#"{"max_tokens":1,"output_config":{"effort":"huge"},"messages":[{"role":"user","content":"x"}]}"#
+        )
+        .contains("unknown reasoning effort"));
         assert!(bad(
             r#"{"max_tokens":1,"temperature":1.5,"messages":[{"role":"user","content":"x"}]}"#
         )
@@ -605,7 +894,7 @@ mod tests {
 
     #[test]
     fn responses_have_anthropic_shapes() {
-        let v = Anthropic.complete(&gen(), "Paris.", FinishReason::Length, &usage(10, 4, 0));
+        let v = Anthropic::default().complete(&gen(), &Turn::text("Paris."), FinishReason::Length, &usage(10, 4, 0));
         assert_eq!(
             v,
             json!({
@@ -617,7 +906,7 @@ mod tests {
             })
         );
         assert_eq!(
-            Anthropic.complete(&gen(), "", FinishReason::Stop, &usage(1, 0, 0))["stop_reason"],
+            Anthropic::default().complete(&gen(), &Turn::default(), FinishReason::Stop, &usage(1, 0, 0))["stop_reason"],
             "end_turn"
         );
         assert_eq!(

@@ -5,10 +5,11 @@
 use axum::http::StatusCode;
 use axum::response::sse::Event as SseEvent;
 use axum::response::Response;
-use ds4_chat::Message;
+use ds4_chat::{Message, ThinkMode, ToolChoice, ToolSpec};
 use ds4_engine::SamplerConfig;
 use serde_json::Value;
 
+use crate::turn::{Piece, Turn};
 use crate::worker::{FinishReason, Usage};
 
 /// A request in the engine's terms.
@@ -23,6 +24,46 @@ pub struct Request {
     pub stream: bool,
     /// OpenAI `stream_options.include_usage`.
     pub include_usage: bool,
+    pub agent: AgentOptions,
+}
+
+/// What agent clients add to a chat request: tools, thinking, cache hints.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AgentOptions {
+    pub tools: Vec<ToolSpec>,
+    pub tool_choice: ToolChoice,
+    /// The thinking mode the request asked for (the family may not have one).
+    pub think: ThinkMode,
+    /// Anthropic `cache_control` breakpoints: the index of the message whose end
+    /// is a boundary worth a checkpoint (`usize::MAX` for the end of the system
+    /// prompt).
+    pub cache_breakpoints: Vec<usize>,
+    /// OpenAI `prompt_cache_key`: requests with one key share a session slot.
+    pub cache_key: Option<String>,
+}
+
+impl AgentOptions {
+    /// Checks `tool_choice` against the offered tools.
+    pub fn validate(&self) -> Result<(), BadRequest> {
+        match &self.tool_choice {
+            ToolChoice::Required if self.tools.is_empty() => Err(BadRequest::new(
+                "tool_choice requires a tool call but no tools were given",
+                Some("tool_choice"),
+            )),
+            ToolChoice::Named(n) if !self.tools.iter().any(|t| &t.name == n) => Err(
+                BadRequest::new(format!("tool_choice names an unknown tool {n:?}"), Some("tool_choice")),
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    /// The tools the prompt offers (none when `tool_choice` is none).
+    pub fn active_tools(&self) -> &[ToolSpec] {
+        match self.tool_choice {
+            ToolChoice::None => &[],
+            _ => &self.tools,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -68,10 +109,70 @@ pub struct Gen {
     pub model: String,
 }
 
+/// The thinking mode a request asks for (system spec §5.4–5.5). `control` is an
+/// explicit on/off control (`Some(None)`: present but null, which still counts as
+/// seen); `effort` an effort name; the model aliases `deepseek-chat` /
+/// `deepseek-reasoner` decide only when no control was seen. The default is
+/// thinking on; families without a thinking mode render it as off.
+pub fn think_mode(
+    control: Option<Option<bool>>,
+    effort: Option<&str>,
+    model: Option<&str>,
+    param: &'static str,
+) -> Result<ThinkMode, BadRequest> {
+    let effort = match effort {
+        None => None,
+        Some("max") => Some(ThinkMode::Max),
+        Some("xhigh" | "high" | "medium" | "low" | "minimal") => Some(ThinkMode::High),
+        Some("none") => Some(ThinkMode::None),
+        Some(other) => {
+            return Err(BadRequest::new(
+                format!("unknown reasoning effort {other:?} (none, minimal, low, medium, high, xhigh, max)"),
+                Some(param),
+            ))
+        }
+    };
+    let enabled = match control {
+        Some(c) => c.unwrap_or(true),
+        None => !matches!(model, Some("deepseek-chat")),
+    };
+    Ok(match effort {
+        _ if !enabled => ThinkMode::None,
+        Some(ThinkMode::None) => ThinkMode::None,
+        Some(ThinkMode::Max) => ThinkMode::Max,
+        _ => ThinkMode::High,
+    })
+}
+
+/// An on/off thinking control: `true`/`false`, null, or `{"type": "enabled" |
+/// "disabled" | "adaptive"}` (other keys such as `budget_tokens` ignored).
+pub fn think_control(v: &Value, param: &'static str) -> Result<Option<bool>, BadRequest> {
+    match v {
+        Value::Null => Ok(None),
+        Value::Bool(b) => Ok(Some(*b)),
+        Value::Object(o) => match o.get("type").and_then(Value::as_str) {
+            Some("enabled" | "adaptive") => Ok(Some(true)),
+            Some("disabled") => Ok(Some(false)),
+            _ => Err(BadRequest::new(
+                format!("{param}.type must be \"enabled\", \"disabled\" or \"adaptive\""),
+                Some(param),
+            )),
+        },
+        _ => Err(BadRequest::new(
+            format!("{param} must be a boolean or an object with a `type`"),
+            Some(param),
+        )),
+    }
+}
+
 /// A wire format: OpenAI chat, OpenAI completions, Anthropic messages, Responses.
 pub trait Dialect: Send + Sync + 'static {
     /// Prefix of response ids (`chatcmpl`, `cmpl`, `msg`, `resp`).
     fn id_prefix(&self) -> &'static str;
+    /// Prefix of tool-call ids.
+    fn call_id_prefix(&self) -> &'static str {
+        "call_"
+    }
     /// An error response in this dialect's JSON shape.
     fn error(&self, status: StatusCode, message: &str, kind: ErrorKind) -> Response;
     /// A 400 for a request that failed to parse.
@@ -83,15 +184,16 @@ pub trait Dialect: Send + Sync + 'static {
         )
     }
     /// The non-streaming response body.
-    fn complete(&self, g: &Gen, text: &str, finish: FinishReason, usage: &Usage) -> Value;
-    /// Events before the first text (`started` has the prompt and cached counts).
+    fn complete(&self, g: &Gen, turn: &Turn, finish: FinishReason, usage: &Usage) -> Value;
+    /// Events before the first piece (`started` has the prompt and cached counts).
     fn stream_start(&self, g: &Gen, started: &Usage) -> Vec<SseEvent>;
-    fn stream_text(&self, g: &Gen, text: &str) -> Vec<SseEvent>;
-    /// Events after the last text; `text` is the whole output.
+    /// Events of one piece of the turn (the dialect tracks its open blocks).
+    fn stream_piece(&self, g: &Gen, piece: &Piece) -> Vec<SseEvent>;
+    /// Events after the last piece; `turn` is the whole output.
     fn stream_end(
         &self,
         g: &Gen,
-        text: &str,
+        turn: &Turn,
         finish: FinishReason,
         usage: &Usage,
         include_usage: bool,

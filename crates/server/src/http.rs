@@ -16,7 +16,8 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use ds4_chat::ChatMl;
+use ds4_chat::tools::ToolParser;
+use ds4_chat::{ChatMl, RenderOptions, Template, ThinkMode};
 use ds4_engine::Model;
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
@@ -24,8 +25,11 @@ use tokio::sync::mpsc;
 
 use crate::dialect::{Dialect, ErrorKind, Gen, Input, Request};
 use crate::metrics::Metrics;
+use crate::normalize::Normalizer;
 use crate::openai::{self, Kind, OpenAi};
-use crate::worker::{Event, Job, JobError, SubmitError, Usage, WorkerHandle};
+use crate::tooling::{ReplayStats, ToolMemory};
+use crate::turn::{Shaper, Turn};
+use crate::worker::{Event, FinishReason, Job, JobError, SubmitError, Usage, WorkerHandle};
 
 /// Server settings.
 #[derive(Clone, Debug)]
@@ -37,6 +41,29 @@ pub struct ServerConfig {
     pub default_max_tokens: usize,
     /// The id `/v1/models` lists and responses echo by default.
     pub model_name: String,
+    /// Render resent tool calls from the exact sampled text (`false`:
+    /// `--disable-exact-tool-replay`, always canonical).
+    pub exact_tool_replay: bool,
+    /// Bound of the exact-replay memory (`--tool-memory-max-ids`).
+    pub tool_memory_max_ids: usize,
+    /// Extra normalisation patterns (`--normalize-regex`); `None` turns
+    /// normalisation off (`--no-normalize-prompts`).
+    pub normalize: Option<Vec<String>>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            api_key: None,
+            cors: false,
+            max_body_bytes: 32 << 20,
+            default_max_tokens: 512,
+            model_name: "ds4".into(),
+            exact_tool_replay: true,
+            tool_memory_max_ids: 100_000,
+            normalize: Some(vec![]),
+        }
+    }
 }
 
 pub(crate) struct AppState {
@@ -44,29 +71,46 @@ pub(crate) struct AppState {
     pub worker: WorkerHandle,
     /// The served model, for tokenizing on the HTTP side (token counts).
     pub model: Arc<Model>,
-    pub template: Option<ChatMl>,
+    pub template: Option<Box<dyn Template>>,
     pub metrics: Arc<Metrics>,
+    pub tool_memory: ToolMemory,
+    normalizer: Normalizer,
     next_id: AtomicU64,
 }
 
 /// Builds the router over a running worker of `model`.
+/// Fails only on an invalid normalisation pattern.
 pub fn router(
     cfg: ServerConfig,
     worker: WorkerHandle,
     model: Arc<Model>,
     metrics: Arc<Metrics>,
-) -> Router {
+) -> Result<Router, regex::Error> {
     let max_body = cfg.max_body_bytes;
-    let template = model.chat_template().and_then(ChatMl::from_template);
+    let template = model
+        .chat_template()
+        .and_then(ChatMl::from_template)
+        .map(|t| Box::new(t) as Box<dyn Template>);
+    let normalizer = match &cfg.normalize {
+        Some(extra) => Normalizer::new(extra)?,
+        None => Normalizer::off(),
+    };
+    let tool_memory = ToolMemory::new(if cfg.exact_tool_replay {
+        cfg.tool_memory_max_ids
+    } else {
+        0
+    });
     let state = Arc::new(AppState {
         cfg,
         worker,
         model,
         template,
         metrics,
+        tool_memory,
+        normalizer,
         next_id: AtomicU64::new(1),
     });
-    Router::new()
+    Ok(Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(crate::anthropic::messages))
@@ -82,14 +126,14 @@ pub fn router(
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body))
         .layer(middleware::from_fn_with_state(Arc::clone(&state), guard))
-        .with_state(state)
+        .with_state(state))
 }
 
 /// The dialect whose error shape answers a request to `path` that no handler
 /// parsed (authentication, body size, unknown routes).
 fn dialect_for_path(path: &str) -> Arc<dyn Dialect> {
     if path.starts_with("/v1/messages") {
-        return Arc::new(crate::anthropic::Anthropic);
+        return Arc::new(crate::anthropic::Anthropic::default());
     }
     Arc::new(OpenAi(Kind::Chat))
 }
@@ -230,22 +274,91 @@ fn job_error(d: &dyn Dialect, e: &JobError) -> Response {
     d.error(status, &e.to_string(), kind)
 }
 
-/// The prompt text of a request: its raw prompt, or its messages rendered with
-/// the model's chat template.
-pub(crate) fn render(st: &AppState, input: &Input) -> Result<String, &'static str> {
-    match (input, &st.template) {
-        (Input::Raw(s), _) => Ok(s.clone()),
-        (Input::Messages(m), Some(t)) => Ok(t.render(m, true)),
-        (Input::Messages(_), None) => Err("this model has no chat template; use /v1/completions"),
+/// A request rendered for the engine.
+pub(crate) struct Rendered {
+    pub prompt: String,
+    /// How the output is read back: tool calls when tools are active.
+    pub parser: Option<Box<dyn ToolParser>>,
+    /// The forced opening of a tool call the prompt ends with, if any.
+    pub forced: Option<String>,
+    /// The thinking mode the prompt was rendered in.
+    pub think: ThinkMode,
+    pub replay: ReplayStats,
+}
+
+/// Renders a request: a raw prompt as is, messages (normalised, with remembered
+/// tool-call text attached) with the model's chat template.
+pub(crate) fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'static str> {
+    let (messages, t) = match (&mut p.input, &st.template) {
+        (Input::Raw(s), _) => {
+            return Ok(Rendered {
+                prompt: s.clone(),
+                parser: None,
+                forced: None,
+                think: ThinkMode::None,
+                replay: ReplayStats::default(),
+            })
+        }
+        (Input::Messages(m), Some(t)) => (m, t),
+        (Input::Messages(_), None) => {
+            return Err("this model has no chat template; use /v1/completions")
+        }
+    };
+    st.normalizer.apply(messages);
+    let replay = st.tool_memory.attach(messages);
+    let think = if t.supports_thinking() {
+        p.agent.think
+    } else {
+        ThinkMode::None
+    };
+    let tools = p.agent.active_tools();
+    let mut prompt = t.render(
+        messages,
+        &RenderOptions {
+            tools,
+            think,
+            add_generation_prompt: true,
+        },
+    );
+    let syntax = t.tool_syntax();
+    let forced = if tools.is_empty() {
+        None
+    } else {
+        syntax.forced_prefix(&p.agent.tool_choice)
+    };
+    if let Some(f) = &forced {
+        prompt.push_str(f);
     }
+    Ok(Rendered {
+        prompt,
+        parser: (!tools.is_empty()).then(|| syntax.parser(tools)),
+        forced,
+        think,
+        replay,
+    })
 }
 
 /// Runs a parsed request of any dialect: renders the prompt, queues the job and
 /// answers in the dialect's JSON or SSE shape.
-pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> Response {
-    let prompt = match render(&st, &p.input) {
-        Ok(p) => p,
+pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) -> Response {
+    let r = match render(&st, &mut p) {
+        Ok(r) => r,
         Err(msg) => return d.error(StatusCode::BAD_REQUEST, msg, ErrorKind::InvalidRequest),
+    };
+    let mut sampling = p.sampling.clone();
+    if r.think != ThinkMode::None {
+        // Thinking runs with the family's own sampling (system spec §6.2).
+        sampling = ds4_engine::SamplerConfig {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.05,
+            seed: sampling.seed,
+        };
+    }
+    let shaper = match r.parser {
+        Some(parser) => Shaper::with_tools(parser, r.forced.as_deref(), d.call_id_prefix()),
+        None => Shaper::plain(),
     };
     let (tx, mut rx) = mpsc::channel(256);
     let id = format!(
@@ -256,10 +369,11 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> R
     let job = Job {
         id: id.clone(),
         route: ROUTE.try_with(Clone::clone).unwrap_or_default(),
-        prompt,
-        sampling: p.sampling.clone(),
+        prompt: r.prompt,
+        sampling,
         max_tokens: p.max_tokens.unwrap_or(st.cfg.default_max_tokens),
         stop: p.stop.clone(),
+        replay: r.replay,
         events: tx,
     };
     match st.worker.submit(job) {
@@ -289,13 +403,17 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> R
     });
 
     if !p.stream {
-        let mut text = String::new();
+        let mut shaper = shaper;
         while let Some(ev) = rx.recv().await {
             match ev {
                 Event::Started { .. } => {}
-                Event::Text(t) => text.push_str(&t),
+                Event::Text(t) => {
+                    shaper.push(&t);
+                }
                 Event::Done { finish, usage } => {
-                    let mut r = Json(d.complete(&g, &text, finish, &usage)).into_response();
+                    let (_, turn) = shaper.finish();
+                    let finish = end_turn(&st, &turn, finish);
+                    let mut r = Json(d.complete(&g, &turn, finish, &usage)).into_response();
                     cache_header(&mut r, &usage);
                     return r;
                 }
@@ -335,33 +453,50 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> R
     };
     let head = stream::iter(d.stream_start(&g, &started));
     let include_usage = p.include_usage;
-    let body = stream::unfold(
-        (rx, String::new(), false),
-        move |(mut rx, mut text, done)| {
-            let (d, g) = (Arc::clone(&d), Arc::clone(&g));
-            async move {
-                if done {
-                    return None;
+    let body = stream::unfold(Some((rx, shaper)), move |state| {
+        let (d, g, st) = (Arc::clone(&d), Arc::clone(&g), Arc::clone(&st));
+        async move {
+            let (mut rx, mut shaper) = state?;
+            let out = match rx.recv().await {
+                Some(Event::Text(t)) => {
+                    let events = shaper
+                        .push(&t)
+                        .iter()
+                        .flat_map(|piece| d.stream_piece(&g, piece))
+                        .collect();
+                    return Some((events, Some((rx, shaper))));
                 }
-                let out = match rx.recv().await {
-                    Some(Event::Text(t)) => {
-                        text.push_str(&t);
-                        return Some((d.stream_text(&g, &t), (rx, text, false)));
-                    }
-                    Some(Event::Done { finish, usage }) => {
-                        d.stream_end(&g, &text, finish, &usage, include_usage)
-                    }
-                    Some(Event::Failed(e)) => d.stream_error(&g, &e.to_string()),
-                    Some(Event::Started { .. }) | None => d.stream_error(&g, "the engine stopped"),
-                };
-                Some((out, (rx, text, true)))
-            }
-        },
-    )
+                Some(Event::Done { finish, usage }) => {
+                    let (pieces, turn) = shaper.finish();
+                    let finish = end_turn(&st, &turn, finish);
+                    let mut events: Vec<SseEvent> = pieces
+                        .iter()
+                        .flat_map(|piece| d.stream_piece(&g, piece))
+                        .collect();
+                    events.extend(d.stream_end(&g, &turn, finish, &usage, include_usage));
+                    events
+                }
+                Some(Event::Failed(e)) => d.stream_error(&g, &e.to_string()),
+                Some(Event::Started { .. }) | None => d.stream_error(&g, "the engine stopped"),
+            };
+            Some((out, None))
+        }
+    })
     .flat_map(stream::iter);
     let mut r = sse(head.chain(body).map(Ok::<_, Infallible>)).into_response();
     cache_header(&mut r, &started);
     r
+}
+
+/// Bookkeeping at the end of a turn: remembers the exact text of its tool calls
+/// and returns the finish reason the client sees.
+fn end_turn(st: &AppState, turn: &Turn, finish: FinishReason) -> FinishReason {
+    if turn.calls.is_empty() {
+        return finish;
+    }
+    let ids: Vec<String> = turn.calls.iter().map(|c| c.id.clone()).collect();
+    st.tool_memory.remember(&ids, &turn.calls_raw);
+    FinishReason::ToolCalls
 }
 
 fn sse(

@@ -7,10 +7,13 @@ pub mod anthropic;
 pub mod dialect;
 pub mod http;
 pub mod metrics;
+pub mod normalize;
 pub mod openai;
 pub mod persist;
 pub mod responses;
+pub mod tooling;
 pub mod trace;
+pub mod turn;
 pub mod worker;
 
 use std::future::Future;

@@ -6,12 +6,17 @@ use axum::http::StatusCode;
 use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use ds4_chat::{Message, Role};
+use ds4_chat::{Message, Role, ToolCall, ToolChoice};
 use ds4_engine::SamplerConfig;
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
-use crate::dialect::{data, BadRequest, Dialect, ErrorKind, Gen, Input, Request};
+use crate::dialect::{
+    data, think_control, think_mode, AgentOptions, BadRequest, Dialect, ErrorKind, Gen, Input,
+    Request,
+};
+use crate::turn::{CallOut, Piece, Turn};
 use crate::worker::{FinishReason, Usage};
 
 #[derive(Deserialize)]
@@ -32,9 +37,14 @@ struct Common {
     logprobs: Option<Value>,
     audio: Option<Value>,
     modalities: Option<Value>,
-    tools: Option<Value>,
+    tools: Option<Box<RawValue>>,
+    tool_choice: Option<Value>,
     functions: Option<Value>,
     response_format: Option<Value>,
+    thinking: Option<Value>,
+    think: Option<Value>,
+    reasoning_effort: Option<String>,
+    prompt_cache_key: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -53,6 +63,23 @@ struct ChatBody {
 struct ChatMessage {
     role: Option<String>,
     content: Option<Value>,
+    tool_calls: Option<Vec<WireCall>>,
+    tool_call_id: Option<String>,
+    name: Option<String>,
+    reasoning_content: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct WireCall {
+    id: Option<String>,
+    function: WireFunction,
+}
+
+#[derive(Deserialize)]
+struct WireFunction {
+    name: String,
+    /// A JSON string, as OpenAI sends it (an object is accepted too).
+    arguments: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -116,14 +143,10 @@ fn common(c: Common) -> Result<Request, BadRequest> {
             ));
         }
     }
-    if c.tools
-        .as_ref()
-        .is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty()))
-        || c.functions.as_ref().is_some_and(|t| !t.is_null())
-    {
+    if c.functions.as_ref().is_some_and(|t| !t.is_null()) {
         return Err(BadRequest::new(
-            "tool calling is not supported yet",
-            Some("tools"),
+            "the legacy `functions` parameter is not supported; send `tools`",
+            Some("functions"),
         ));
     }
     if c.response_format
@@ -184,6 +207,21 @@ fn common(c: Common) -> Result<Request, BadRequest> {
     }
     sampling.seed = c.seed.unwrap_or_else(crate::dialect::clock_seed);
     let max_tokens = c.max_completion_tokens.or(c.max_tokens).map(|n| n as usize);
+    let tools = crate::tooling::parse_tools(c.tools.as_deref())
+        .map_err(|m| BadRequest::new(m, Some("tools")))?;
+    let control = match (&c.thinking, &c.think) {
+        (Some(t), _) => Some(think_control(t, "thinking")?),
+        (None, Some(t)) => Some(think_control(t, "think")?),
+        (None, None) => None,
+    };
+    let agent = AgentOptions {
+        tools,
+        tool_choice: tool_choice(c.tool_choice.as_ref())?,
+        think: think_mode(control, c.reasoning_effort.as_deref(), c.model.as_deref(), "reasoning_effort")?,
+        cache_breakpoints: vec![],
+        cache_key: c.prompt_cache_key,
+    };
+    agent.validate()?;
     Ok(Request {
         model: c.model,
         input: Input::Raw(String::new()),
@@ -195,7 +233,46 @@ fn common(c: Common) -> Result<Request, BadRequest> {
             .stream_options
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
+        agent,
     })
+}
+
+/// OpenAI `tool_choice`: "auto" | "none" | "required" | `{"type": "function",
+/// "function": {"name": ...}}` (Responses puts `name` at the top level).
+pub fn tool_choice(v: Option<&Value>) -> Result<ToolChoice, BadRequest> {
+    let bad = || {
+        BadRequest::new(
+            "tool_choice must be \"auto\", \"none\", \"required\" or {\"type\":\"function\",\"function\":{\"name\":...}}",
+            Some("tool_choice"),
+        )
+    };
+    Ok(match v {
+        None | Some(Value::Null) => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => ToolChoice::Auto,
+            "none" => ToolChoice::None,
+            "required" => ToolChoice::Required,
+            _ => return Err(bad()),
+        },
+        Some(o) => {
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .or_else(|| o.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(bad)?;
+            ToolChoice::Named(name.to_string())
+        }
+    })
+}
+
+/// Arguments as JSON text: OpenAI sends a string; an object is serialised.
+fn arguments_text(v: Option<Value>) -> String {
+    match v {
+        None | Some(Value::Null) => "{}".to_string(),
+        Some(Value::String(s)) => s,
+        Some(other) => other.to_string(),
+    }
 }
 
 /// Text of a message `content`: a string, null, or an array of text parts.
@@ -250,12 +327,7 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, BadRequest> {
             "system" | "developer" => Role::System,
             "user" => Role::User,
             "assistant" => Role::Assistant,
-            "tool" | "function" => {
-                return Err(BadRequest::new(
-                    format!("messages[{i}]: tool messages are not supported yet"),
-                    Some("messages"),
-                ))
-            }
+            "tool" | "function" => Role::Tool,
             other => {
                 return Err(BadRequest::new(
                     format!(
@@ -265,7 +337,26 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, BadRequest> {
                 ))
             }
         };
-        out.push(Message::new(role, content_text(m.content, i)?));
+        let mut msg = Message::new(role, content_text(m.content, i)?);
+        if role == Role::Assistant {
+            msg.reasoning = m.reasoning_content.filter(|r| !r.is_empty());
+            msg.tool_calls = m
+                .tool_calls
+                .unwrap_or_default()
+                .into_iter()
+                .enumerate()
+                .map(|(j, c)| ToolCall {
+                    id: c.id.unwrap_or_else(|| format!("call_{i}_{j}")),
+                    name: c.function.name,
+                    arguments: arguments_text(c.function.arguments),
+                })
+                .collect();
+        }
+        if role == Role::Tool {
+            msg.tool_call_id = m.tool_call_id;
+            msg.name = m.name;
+        }
+        out.push(msg);
     }
     p.input = Input::Messages(out);
     Ok(p)
@@ -274,6 +365,12 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, BadRequest> {
 pub fn parse_completion(body: &[u8]) -> Result<Request, BadRequest> {
     let b: CompletionBody = parse_json(body)?;
     let mut p = common(b.common)?;
+    if !p.agent.tools.is_empty() {
+        return Err(BadRequest::new(
+            "tools need a chat endpoint (/v1/chat/completions)",
+            Some("tools"),
+        ));
+    }
     let prompt = match b.prompt {
         Some(Value::String(s)) => s,
         Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
@@ -323,24 +420,36 @@ impl OpenAi {
         }
     }
 
-    /// One streaming chunk: a text delta, the role opener (`text` and `finish`
-    /// both `None`), or the closing chunk (`finish`).
-    pub fn chunk(&self, g: &Gen, text: Option<&str>, finish: Option<FinishReason>) -> Value {
+    /// One streaming chunk with a chat `delta` (completions read its `content`).
+    pub fn chunk(&self, g: &Gen, delta: Value, finish: Option<FinishReason>) -> Value {
         let finish = finish.map(FinishReason::as_str);
         let choice = match self.0 {
             Kind::Chat => {
-                let delta = match text {
-                    Some(t) => json!({ "content": t }),
-                    None if finish.is_none() => json!({ "role": "assistant", "content": "" }),
-                    None => json!({}),
-                };
                 json!({ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish })
             }
             Kind::Completion => {
-                json!({ "index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish })
+                let text = delta.get("content").and_then(Value::as_str).unwrap_or("");
+                json!({ "index": 0, "text": text, "logprobs": null, "finish_reason": finish })
             }
         };
         json!({ "id": g.id, "object": self.object(true), "created": g.created, "model": g.model, "choices": [choice] })
+    }
+}
+
+fn call_json(c: &CallOut) -> Value {
+    json!({ "id": c.id, "type": "function", "function": { "name": c.name, "arguments": c.arguments } })
+}
+
+/// The chat delta of one piece of the turn.
+fn piece_delta(p: &Piece) -> Value {
+    match p {
+        Piece::Reasoning(t) => json!({ "reasoning_content": t }),
+        Piece::Text(t) => json!({ "content": t }),
+        Piece::Call(i, c) => {
+            let mut call = call_json(c);
+            call["index"] = json!(i);
+            json!({ "tool_calls": [call] })
+        }
     }
 }
 
@@ -374,12 +483,23 @@ impl Dialect for OpenAi {
         (StatusCode::BAD_REQUEST, Json(body)).into_response()
     }
 
-    fn complete(&self, g: &Gen, text: &str, finish: FinishReason, u: &Usage) -> Value {
+    fn complete(&self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
         let choice = match self.0 {
-            Kind::Chat => json!({ "index": 0, "message": { "role": "assistant", "content": text },
-                                  "logprobs": null, "finish_reason": finish.as_str() }),
+            Kind::Chat => {
+                let mut message = json!({ "role": "assistant", "content": turn.content });
+                if turn.content.is_empty() && !turn.calls.is_empty() {
+                    message["content"] = Value::Null;
+                }
+                if !turn.reasoning.is_empty() {
+                    message["reasoning_content"] = json!(turn.reasoning);
+                }
+                if !turn.calls.is_empty() {
+                    message["tool_calls"] = turn.calls.iter().map(call_json).collect();
+                }
+                json!({ "index": 0, "message": message, "logprobs": null, "finish_reason": finish.as_str() })
+            }
             Kind::Completion => {
-                json!({ "index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str() })
+                json!({ "index": 0, "text": turn.content, "logprobs": null, "finish_reason": finish.as_str() })
             }
         };
         json!({ "id": g.id, "object": self.object(false), "created": g.created, "model": g.model,
@@ -388,24 +508,28 @@ impl Dialect for OpenAi {
 
     fn stream_start(&self, g: &Gen, _started: &Usage) -> Vec<SseEvent> {
         match self.0 {
-            Kind::Chat => vec![data(&self.chunk(g, None, None))],
+            Kind::Chat => vec![data(&self.chunk(
+                g,
+                json!({ "role": "assistant", "content": "" }),
+                None,
+            ))],
             Kind::Completion => vec![],
         }
     }
 
-    fn stream_text(&self, g: &Gen, text: &str) -> Vec<SseEvent> {
-        vec![data(&self.chunk(g, Some(text), None))]
+    fn stream_piece(&self, g: &Gen, piece: &Piece) -> Vec<SseEvent> {
+        vec![data(&self.chunk(g, piece_delta(piece), None))]
     }
 
     fn stream_end(
         &self,
         g: &Gen,
-        _text: &str,
+        _turn: &Turn,
         finish: FinishReason,
         u: &Usage,
         include_usage: bool,
     ) -> Vec<SseEvent> {
-        let mut out = vec![data(&self.chunk(g, None, Some(finish)))];
+        let mut out = vec![data(&self.chunk(g, json!({}), Some(finish)))];
         if include_usage {
             let v = json!({ "id": g.id, "object": self.object(true), "created": g.created, "model": g.model,
                             "choices": [], "usage": usage_json(u) });
@@ -490,15 +614,22 @@ mod tests {
             model: "m".into(),
         };
         let chat = OpenAi(Kind::Chat);
-        let c = chat.chunk(&g, None, None);
-        assert_eq!(
-            c["choices"][0]["delta"],
-            json!({"role":"assistant","content":""})
-        );
-        let c = chat.chunk(&g, Some("hi"), None);
+        let c = chat.chunk(&g, piece_delta(&Piece::Text("hi".into())), None);
         assert_eq!(c["choices"][0]["delta"]["content"], "hi");
         assert!(c["choices"][0]["finish_reason"].is_null());
-        let c = chat.chunk(&g, None, Some(FinishReason::Length));
+        let call = CallOut {
+            id: "call_1".into(),
+            name: "f".into(),
+            arguments: r#"{"a":1}"#.into(),
+        };
+        let c = chat.chunk(&g, piece_delta(&Piece::Call(0, call)), None);
+        assert_eq!(
+            c["choices"][0]["delta"]["tool_calls"][0],
+            json!({"index":0,"id":"call_1","type":"function","function":{"name":"f","arguments":"{\"a\":1}"}})
+        );
+        let c = OpenAi(Kind::Completion).chunk(&g, piece_delta(&Piece::Text("yo".into())), None);
+        assert_eq!(c["choices"][0]["text"], "yo");
+        let c = chat.chunk(&g, json!({}), Some(FinishReason::Length));
         assert_eq!(
             (
                 c["choices"][0]["delta"].clone(),

@@ -4,10 +4,10 @@
 //!
 //! Stateless by design: the server keeps no responses, so `previous_response_id`,
 //! `conversation` and `background` are refused and clients replay the full input
-//! (the live session still reuses the shared prompt prefix). Tool calling
-//! (`tools`, `function_call*` items) and reasoning (`reasoning.effort` above
-//! `minimal`, `reasoning` items) are not supported yet and are refused with a 400
-//! rather than ignored, so a client never silently loses what it asked for.
+//! (the live session still reuses the shared prompt prefix). Function tools
+//! (`tools`, `tool_choice`, `function_call` / `function_call_output` items) are
+//! supported; hosted tools are skipped. `reasoning.effort` selects the thinking
+//! mode; `reasoning` input items are dropped (the family re-renders what it keeps).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,16 +22,21 @@ use ds4_chat::{Message, Role};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::dialect::{named, BadRequest, Dialect, ErrorKind, Gen, Input, Request};
+use crate::dialect::{
+    named, think_mode, AgentOptions, BadRequest, Dialect, ErrorKind, Gen, Input, Request,
+};
 use crate::http::{run, AppState};
-use crate::openai::{default_sampling, error_body};
+use crate::openai::{default_sampling, error_body, tool_choice};
+use crate::turn::{CallOut, Piece, Turn};
 use crate::worker::{FinishReason, Usage};
+use ds4_chat::ToolCall;
+use serde_json::value::RawValue;
 
 /// The request fields we read. `store`, `metadata`, `user`,
 /// `parallel_tool_calls` and `truncation` are type-checked and otherwise ignored
 /// (the response object echoes `metadata`, `user` and `parallel_tool_calls`, and
 /// states `store: false`, `truncation: "disabled"`, which is what happens). Fields
-/// not listed (`include`, `prompt_cache_key`, `service_tier`, …) are ignored.
+/// not listed (`include`, `service_tier`, …) are ignored.
 #[derive(Deserialize)]
 struct Body {
     model: Option<String>,
@@ -51,11 +56,12 @@ struct Body {
     previous_response_id: Option<String>,
     conversation: Option<Value>,
     background: Option<bool>,
-    tools: Option<Vec<Value>>,
+    tools: Option<Box<RawValue>>,
     tool_choice: Option<Value>,
     reasoning: Option<Reasoning>,
     text: Option<TextConfig>,
     top_logprobs: Option<u64>,
+    prompt_cache_key: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -127,37 +133,18 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
             "background",
         ));
     }
-    if b.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(bad(
-            "tools are not supported yet on /v1/responses; send no tools",
-            "tools",
-        ));
-    }
-    match &b.tool_choice {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) if s == "auto" || s == "none" => {}
-        Some(Value::String(s)) => {
-            return Err(bad(
-                format!("tool_choice={s} is not supported (no tools)"),
-                "tool_choice",
-            ))
-        }
-        Some(_) => {
-            return Err(bad(
-                "forced tool_choice is not supported (no tools)",
-                "tool_choice",
-            ))
-        }
-    }
+    let tools = crate::tooling::parse_tools(b.tools.as_deref()).map_err(|m| bad(m, "tools"))?;
     let effort = b.reasoning.and_then(|r| r.effort);
-    if let Some(e) = effort.as_deref() {
-        if e != "none" && e != "minimal" {
-            return Err(bad(
-                format!("reasoning effort {e:?} is not supported yet: this server does not run a reasoning mode; omit `reasoning` or use effort \"none\""),
-                "reasoning",
-            ));
-        }
-    }
+    // A reasoning effort is the Responses API's thinking control.
+    let control = effort.as_deref().map(|e| Some(e != "none"));
+    let agent = AgentOptions {
+        tools,
+        tool_choice: tool_choice(b.tool_choice.as_ref())?,
+        think: think_mode(control, effort.as_deref(), b.model.as_deref(), "reasoning")?,
+        cache_breakpoints: vec![],
+        cache_key: b.prompt_cache_key,
+    };
+    agent.validate()?;
     if let Some(f) = b.text.and_then(|t| t.format) {
         if f.ty != "text" {
             return Err(bad(
@@ -203,7 +190,7 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
                 return Err(bad("`input` is empty", "input"));
             }
             for (i, item) in items.iter().enumerate() {
-                messages.push(input_item(item, i)?);
+                input_item(&mut messages, item, i)?;
             }
         }
         Some(_) => {
@@ -236,18 +223,54 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         stop: vec![],
         stream: b.stream.unwrap_or(false),
         include_usage: true,
+        agent,
     };
     Ok((request, Responses::new(echo)))
 }
 
-/// One `input` item: a message (`type` "message" or absent). Other item types
-/// are refused, with tool and reasoning items named as not supported yet.
-fn input_item(item: &Value, i: usize) -> Result<Message, BadRequest> {
+/// A string field of input item `i`.
+fn item_str<'a>(obj: &'a serde_json::Map<String, Value>, field: &str, i: usize) -> Result<&'a str, BadRequest> {
+    obj.get(field)
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad(format!("input[{i}].{field} must be a string"), "input"))
+}
+
+/// Appends one `input` item: a message (`type` "message" or absent), a
+/// `function_call` (joined to the assistant turn it belongs to), a
+/// `function_call_output` (a tool result), or a `reasoning` item (dropped).
+fn input_item(out: &mut Vec<Message>, item: &Value, i: usize) -> Result<(), BadRequest> {
     let Some(obj) = item.as_object() else {
         return Err(bad(format!("input[{i}] must be an object"), "input"));
     };
     match obj.get("type").map(|t| t.as_str()) {
         None | Some(Some("message")) => {}
+        Some(Some("function_call")) => {
+            let call = ToolCall {
+                id: item_str(obj, "call_id", i)?.to_string(),
+                name: item_str(obj, "name", i)?.to_string(),
+                arguments: item_str(obj, "arguments", i)?.to_string(),
+            };
+            match out.last_mut() {
+                Some(m) if m.role == Role::Assistant => m.tool_calls.push(call),
+                _ => {
+                    let mut m = Message::new(Role::Assistant, "");
+                    m.tool_calls.push(call);
+                    out.push(m);
+                }
+            }
+            return Ok(());
+        }
+        Some(Some("function_call_output")) => {
+            let output = match obj.get("output") {
+                Some(Value::String(s)) => s.clone(),
+                other => content_text(other, i)?,
+            };
+            let mut m = Message::new(Role::Tool, output);
+            m.tool_call_id = Some(item_str(obj, "call_id", i)?.to_string());
+            out.push(m);
+            return Ok(());
+        }
+        Some(Some("reasoning")) => return Ok(()),
         Some(Some("item_reference")) => {
             return Err(bad(
                 format!("input[{i}]: item_reference is not supported: this server keeps no items; replay the full input instead"),
@@ -256,7 +279,7 @@ fn input_item(item: &Value, i: usize) -> Result<Message, BadRequest> {
         }
         Some(Some(ty)) => {
             return Err(bad(
-                format!("input[{i}]: {ty} items are not supported yet (messages only)"),
+                format!("input[{i}]: {ty} items are not supported (messages, function calls and their outputs)"),
                 "input",
             ))
         }
@@ -274,7 +297,8 @@ fn input_item(item: &Value, i: usize) -> Result<Message, BadRequest> {
         }
         Some(None) => return Err(bad(format!("input[{i}].role must be a string"), "input")),
     };
-    Ok(Message::new(role, content_text(obj.get("content"), i)?))
+    out.push(Message::new(role, content_text(obj.get("content"), i)?));
+    Ok(())
 }
 
 /// Text of an item's `content`: a string, or an array of text parts.
@@ -374,10 +398,28 @@ fn message_item(id: &str, status: &str, text: Option<&str>) -> Value {
     json!({ "type": "message", "id": id, "status": status, "role": "assistant", "content": content })
 }
 
+/// A `function_call` output item (`arguments` empty while it streams).
+fn call_item(c: &CallOut, status: &str, arguments: &str) -> Value {
+    json!({ "type": "function_call", "id": call_item_id(c), "call_id": c.id, "name": c.name,
+            "arguments": arguments, "status": status })
+}
+
+/// The item id of a call: `fc_` and the hex of its call id (stable per call).
+fn call_item_id(c: &CallOut) -> String {
+    format!("fc_{}", c.id.trim_start_matches("call_"))
+}
+
+/// The output items of a finished turn: the message, then the calls.
+fn output_items(msg_id: &str, item_status: &str, turn: &Turn) -> Vec<Value> {
+    let mut items = vec![message_item(msg_id, item_status, Some(&turn.content))];
+    items.extend(turn.calls.iter().map(|c| call_item(c, "completed", &c.arguments)));
+    items
+}
+
 /// Item status and response status of a finished generation.
 fn statuses(finish: FinishReason) -> (&'static str, &'static str, Value) {
     match finish {
-        FinishReason::Stop => ("completed", "completed", Value::Null),
+        FinishReason::Stop | FinishReason::ToolCalls => ("completed", "completed", Value::Null),
         FinishReason::Length => (
             "incomplete",
             "incomplete",
@@ -471,26 +513,52 @@ impl Responses {
         )]
     }
 
+    /// The events of the `index`-th call: its item, its arguments, done. Calls
+    /// follow the message item (output index 0).
+    fn call_events(&self, index: usize, c: &CallOut) -> Vec<(&'static str, Value)> {
+        let output_index = index + 1;
+        let item_id = call_item_id(c);
+        vec![
+            self.event(
+                "response.output_item.added",
+                json!({ "output_index": output_index, "item": call_item(c, "in_progress", "") }),
+            ),
+            self.event(
+                "response.function_call_arguments.delta",
+                json!({ "item_id": item_id, "output_index": output_index, "delta": c.arguments }),
+            ),
+            self.event(
+                "response.function_call_arguments.done",
+                json!({ "item_id": item_id, "output_index": output_index, "arguments": c.arguments }),
+            ),
+            self.event(
+                "response.output_item.done",
+                json!({ "output_index": output_index, "item": call_item(c, "completed", &c.arguments) }),
+            ),
+        ]
+    }
+
     /// The closing events of the message item, then `response.completed`, or
     /// `response.incomplete` when the output limit cut the answer.
     fn end_events(
         &self,
         g: &Gen,
-        text: &str,
+        turn: &Turn,
         finish: FinishReason,
         u: &Usage,
     ) -> Vec<(&'static str, Value)> {
         let msg_id = ids(g).1;
+        let text = turn.content.as_str();
         let (item_status, status, incomplete) = statuses(finish);
         let item = message_item(&msg_id, item_status, Some(text));
         let terminal = match finish {
-            FinishReason::Stop => "response.completed",
+            FinishReason::Stop | FinishReason::ToolCalls => "response.completed",
             FinishReason::Length => "response.incomplete",
         };
         let r = self.object(
             g,
             status,
-            vec![item.clone()],
+            output_items(&msg_id, item_status, turn),
             Some(u),
             incomplete,
             Value::Null,
@@ -548,29 +616,35 @@ impl Dialect for Responses {
         (StatusCode::BAD_REQUEST, Json(body)).into_response()
     }
 
-    fn complete(&self, g: &Gen, text: &str, finish: FinishReason, u: &Usage) -> Value {
+    fn complete(&self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
         let (item_status, status, incomplete) = statuses(finish);
-        let item = message_item(&ids(g).1, item_status, Some(text));
-        self.object(g, status, vec![item], Some(u), incomplete, Value::Null)
+        let items = output_items(&ids(g).1, item_status, turn);
+        self.object(g, status, items, Some(u), incomplete, Value::Null)
     }
 
     fn stream_start(&self, g: &Gen, _started: &Usage) -> Vec<SseEvent> {
         sse(self.start_events(g))
     }
 
-    fn stream_text(&self, g: &Gen, text: &str) -> Vec<SseEvent> {
-        sse(self.text_events(g, text))
+    /// Reasoning is not streamed: Responses returns it only on a summary opt-in,
+    /// which this server does not produce.
+    fn stream_piece(&self, g: &Gen, piece: &Piece) -> Vec<SseEvent> {
+        match piece {
+            Piece::Reasoning(_) => vec![],
+            Piece::Text(t) => sse(self.text_events(g, t)),
+            Piece::Call(i, c) => sse(self.call_events(*i, c)),
+        }
     }
 
     fn stream_end(
         &self,
         g: &Gen,
-        text: &str,
+        turn: &Turn,
         finish: FinishReason,
         u: &Usage,
         _include_usage: bool,
     ) -> Vec<SseEvent> {
-        sse(self.end_events(g, text, finish, u))
+        sse(self.end_events(g, turn, finish, u))
     }
 
     fn stream_error(&self, g: &Gen, message: &str) -> Vec<SseEvent> {
@@ -636,6 +710,36 @@ mod tests {
     }
 
     #[test]
+    fn function_calls_join_their_assistant_turn_and_outputs_are_tool_messages() {
+        let (p, _) = parse(
+            br#"{"input":[{"role":"user","content":"ls"},
+            {"type":"reasoning","id":"rs_1","summary":[]},
+            {"type":"message","role":"assistant","content":[{"type":"output_text","text":"ok"}]},
+            {"type":"function_call","call_id":"call_1","name":"ls","arguments":"{\"d\":1}"},
+            {"type":"function_call","call_id":"call_2","name":"ls","arguments":"{}"},
+            {"type":"function_call_output","call_id":"call_1","output":"a"},
+            {"type":"function_call_output","call_id":"call_2","output":[{"type":"input_text","text":"b"}]}],
+            "tools":[{"type":"function","name":"ls","parameters":{"type":"object"}},{"type":"web_search"}],
+            "tool_choice":{"type":"function","name":"ls"},"reasoning":{"effort":"none"},
+            "prompt_cache_key":"k"}"#,
+        )
+        .unwrap();
+        let m = messages(&p);
+        assert_eq!(m.len(), 4);
+        assert_eq!(m[1].content, "ok");
+        assert_eq!(
+            m[1].tool_calls.iter().map(|c| c.id.as_str()).collect::<Vec<_>>(),
+            ["call_1", "call_2"]
+        );
+        assert_eq!((m[2].role, m[2].tool_call_id.as_deref()), (Role::Tool, Some("call_1")));
+        assert_eq!(m[3].content, "b");
+        assert_eq!(p.agent.tools.len(), 1);
+        assert_eq!(p.agent.tool_choice, ds4_chat::ToolChoice::Named("ls".into()));
+        assert_eq!(p.agent.think, ds4_chat::ThinkMode::None);
+        assert_eq!(p.agent.cache_key.as_deref(), Some("k"));
+    }
+
+    #[test]
     fn what_we_cannot_do_is_refused_with_the_parameter_at_fault() {
         let bad = |b: &str| parse(b.as_bytes()).unwrap_err();
         let msg = |b: &str| bad(b).message;
@@ -643,7 +747,7 @@ mod tests {
         assert!(msg("{").starts_with("invalid JSON request"));
         assert!(msg(r#"{"input":"x","max_output_tokens":"9"}"#).contains("invalid type"));
         assert!(msg(r#"{"input":"x","temperature":"hot"}"#).contains("invalid type"));
-        assert!(msg(r#"{"input":"x","tools":{}}"#).contains("invalid type"));
+        assert!(msg(r#"{"input":"x","tools":{}}"#).contains("tools must be an array"));
         assert!(msg(r#"{"input":"x","reasoning":"high"}"#).contains("invalid type"));
         assert!(msg(r#"{"input":"x","max_output_tokens":-1}"#).contains("invalid value"));
 
@@ -678,19 +782,19 @@ mod tests {
                 "unknown role \"tool\"",
             ),
             (
-                r#"{"input":[{"type":"function_call","call_id":"c","name":"f","arguments":"{}"}]}"#,
+                r#"{"input":[{"type":"function_call","name":"f","arguments":"{}"}]}"#,
                 "input",
-                "input[0]: function_call items are not supported yet",
+                "input[0].call_id must be a string",
             ),
             (
-                r#"{"input":[{"type":"function_call_output","call_id":"c","output":"x"}]}"#,
+                r#"{"input":[{"type":"function_call_output","call_id":"c","output":7}]}"#,
                 "input",
-                "function_call_output items are not supported yet",
+                "content must be a string or an array",
             ),
             (
-                r#"{"input":[{"role":"user","content":"x"},{"type":"reasoning","summary":[]}]}"#,
+                r#"{"input":[{"type":"web_search_call","id":"w"}]}"#,
                 "input",
-                "input[1]: reasoning items are not supported yet",
+                "input[0]: web_search_call items are not supported",
             ),
             (
                 r#"{"input":[{"type":"item_reference","id":"msg_1"}]}"#,
@@ -713,24 +817,29 @@ mod tests {
                 "background",
             ),
             (
-                r#"{"input":"x","tools":[{"type":"function","name":"f","parameters":{}}]}"#,
+                r#"{"input":"x","tools":[{"type":"function","parameters":{}}]}"#,
                 "tools",
-                "tools are not supported yet",
+                "tools[0]: a non-empty string `name` is required",
             ),
             (
                 r#"{"input":"x","tool_choice":"required"}"#,
                 "tool_choice",
-                "tool_choice=required",
+                "no tools were given",
             ),
             (
-                r#"{"input":"x","tool_choice":{"type":"function","name":"f"}}"#,
+                r#"{"input":"x","tools":[{"type":"function","name":"f"}],"tool_choice":{"type":"function","name":"g"}}"#,
                 "tool_choice",
-                "forced tool_choice",
+                "unknown tool \"g\"",
             ),
             (
-                r#"{"input":"x","reasoning":{"effort":"high"}}"#,
+                r#"{"input":"x","tool_choice":"sometimes"}"#,
+                "tool_choice",
+                "tool_choice must be",
+            ),
+            (
+                r#"{"input":"x","reasoning":{"effort":"enormous"}}"#,
                 "reasoning",
-                "reasoning effort \"high\" is not supported yet",
+                "unknown reasoning effort",
             ),
             (
                 r#"{"input":"x","text":{"format":{"type":"json_schema","name":"n","schema":{}}}}"#,
@@ -786,7 +895,7 @@ mod tests {
     #[test]
     fn response_objects_have_openai_shapes() {
         let (_, d) = parse(br#"{"input":"x","max_output_tokens":3,"temperature":0}"#).unwrap();
-        let v = d.complete(&gen(), "Paris", FinishReason::Stop, &usage());
+        let v = d.complete(&gen(), &Turn::text("Paris"), FinishReason::Stop, &usage());
         assert_eq!(
             (
                 &v["id"],
@@ -821,7 +930,7 @@ mod tests {
         assert_eq!((&v["tools"], &v["store"]), (&json!([]), &json!(false)));
         assert_eq!(v["top_p"], json!(0.9));
 
-        let v = d.complete(&gen(), "Pa", FinishReason::Length, &usage());
+        let v = d.complete(&gen(), &Turn::text("Pa"), FinishReason::Length, &usage());
         assert_eq!(v["status"], "incomplete");
         assert_eq!(
             v["incomplete_details"],
@@ -838,7 +947,7 @@ mod tests {
         evs.extend(d.text_events(&g, "Pa"));
         evs.extend(d.text_events(&g, ""));
         evs.extend(d.text_events(&g, "ris"));
-        evs.extend(d.end_events(&g, "Paris", FinishReason::Stop, &usage()));
+        evs.extend(d.end_events(&g, &Turn::text("Paris"), FinishReason::Stop, &usage()));
         let names: Vec<_> = evs.iter().map(|(n, _)| *n).collect();
         assert_eq!(
             names,
@@ -869,11 +978,11 @@ mod tests {
         assert_eq!(evs[8].1["item"]["status"], "completed");
         assert_eq!(
             evs[9].1["response"],
-            d.complete(&g, "Paris", FinishReason::Stop, &usage())
+            d.complete(&g, &Turn::text("Paris"), FinishReason::Stop, &usage())
         );
 
         let (_, d) = parse(br#"{"input":"x"}"#).unwrap();
-        let end = d.end_events(&g, "Pa", FinishReason::Length, &usage());
+        let end = d.end_events(&g, &Turn::text("Pa"), FinishReason::Length, &usage());
         assert_eq!(end[3].0, "response.incomplete");
         assert_eq!(
             end[3].1["response"]["incomplete_details"]["reason"],

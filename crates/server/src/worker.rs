@@ -48,6 +48,8 @@ pub struct Job {
     pub sampling: SamplerConfig,
     pub max_tokens: usize,
     pub stop: Vec<String>,
+    /// How the request's history tool calls were rendered, for the trace.
+    pub replay: crate::tooling::ReplayStats,
     pub events: tmpsc::Sender<Event>,
 }
 
@@ -55,6 +57,9 @@ pub struct Job {
 pub enum FinishReason {
     Stop,
     Length,
+    /// The turn ended with tool calls (decided from the parsed output, not by the
+    /// worker).
+    ToolCalls,
 }
 
 impl FinishReason {
@@ -62,6 +67,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::ToolCalls => "tool_calls",
         }
     }
 }
@@ -414,6 +420,7 @@ impl WorkerState {
                 "prefilled_tokens": ids.len() - reused, "checkpointed_tokens": checkpointed,
                 "prefill_s": prefill_s, "decode_s": decode_s, "generated_tokens": generated,
                 "generated_text": output, "finish_reason": finish.as_str(),
+                "tool_replay": { "exact": job.replay.exact, "canonical": job.replay.canonical },
             }));
         }
         eprintln!(

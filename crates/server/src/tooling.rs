@@ -1,0 +1,281 @@
+//! Server-side tool calling: tool definitions read from any dialect, unguessable
+//! call ids, and the exact-replay memory that maps a call id to the text the model
+//! sampled, so resent history renders byte-identically to the live state.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use ds4_chat::{Message, Role, ToolSpec};
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+/// One tool definition, in any dialect's shape: OpenAI `{type, function: {name,
+/// description, parameters}}`, Anthropic `{name, description, input_schema}` or
+/// Responses `{type: "function", name, description, parameters}`. Hosted tools
+/// (a `type` other than function/custom and no schema, e.g. web search) are not
+/// ours to run: `Ok(None)`.
+pub fn parse_tool(raw: &RawValue, i: usize) -> Result<Option<ToolSpec>, String> {
+    let v: Value = serde_json::from_str(raw.get()).map_err(|e| format!("tools[{i}]: {e}"))?;
+    let Some(obj) = v.as_object() else {
+        return Err(format!("tools[{i}] must be an object"));
+    };
+    let def = obj.get("function").unwrap_or(&v);
+    let schema = def.get("parameters").or_else(|| def.get("input_schema"));
+    let ty = obj.get("type").and_then(Value::as_str);
+    if schema.is_none() && ty.is_some_and(|t| t != "function" && t != "custom") {
+        return Ok(None);
+    }
+    let name = match def.get("name") {
+        Some(Value::String(n)) if !n.is_empty() => n.clone(),
+        _ => return Err(format!("tools[{i}]: a non-empty string `name` is required")),
+    };
+    let description = match def.get("description") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(d)) => d.clone(),
+        Some(_) => return Err(format!("tools[{i}].description must be a string")),
+    };
+    let parameters = match schema {
+        None | Some(Value::Null) => r#"{"type":"object","properties":{}}"#.to_string(),
+        Some(s @ Value::Object(_)) => s.to_string(),
+        Some(_) => return Err(format!("tools[{i}]: the parameter schema must be an object")),
+    };
+    Ok(Some(ToolSpec {
+        name,
+        description,
+        parameters,
+        raw: raw.get().to_string(),
+    }))
+}
+
+/// Parses a `tools` array; `None` and null mean no tools.
+pub fn parse_tools(raw: Option<&RawValue>) -> Result<Vec<ToolSpec>, String> {
+    let Some(raw) = raw else { return Ok(vec![]) };
+    let items: Option<Vec<&RawValue>> =
+        serde_json::from_str(raw.get()).map_err(|_| "tools must be an array".to_string())?;
+    let mut out = Vec::new();
+    for (i, item) in items.unwrap_or_default().into_iter().enumerate() {
+        if let Some(t) = parse_tool(item, i)? {
+            if out.iter().any(|o: &ToolSpec| o.name == t.name) {
+                return Err(format!("tools[{i}]: duplicate tool name {:?}", t.name));
+            }
+            out.push(t);
+        }
+    }
+    Ok(out)
+}
+
+/// A fresh call id: `prefix` + 32 hex digits from the OS random source.
+pub fn new_call_id(prefix: &str) -> String {
+    let mut bytes = [0u8; 16];
+    if getrandom::fill(&mut bytes).is_err() {
+        // No OS randomness: fall back to the clock and a counter (still unique).
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let t = crate::dialect::clock_seed();
+        bytes[..8].copy_from_slice(&t.to_le_bytes());
+        bytes[8..].copy_from_slice(&n.to_le_bytes());
+    }
+    let mut id = String::with_capacity(prefix.len() + 32);
+    id.push_str(prefix);
+    for b in bytes {
+        id.push_str(&format!("{b:02x}"));
+    }
+    id
+}
+
+/// How a request's history tool calls were rendered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReplayStats {
+    /// Assistant turns rendered from the exact sampled text.
+    pub exact: usize,
+    /// Assistant turns rendered canonically (unknown ids, or replay disabled).
+    pub canonical: usize,
+}
+
+/// Call id -> the exact text the model sampled for that call's turn (everything
+/// after the content), bounded by a count with least-recently-used eviction.
+/// Every id of a turn maps to the same shared text.
+pub struct ToolMemory {
+    max_ids: usize,
+    inner: Mutex<Lru>,
+}
+
+#[derive(Default)]
+struct Lru {
+    tick: u64,
+    entries: HashMap<String, (Arc<str>, u64)>,
+    by_age: BTreeMap<u64, String>,
+}
+
+impl Lru {
+    fn touch(&mut self, id: &str) -> Option<Arc<str>> {
+        self.tick += 1;
+        let tick = self.tick;
+        let (text, used) = self.entries.get_mut(id)?;
+        self.by_age.remove(used);
+        *used = tick;
+        self.by_age.insert(tick, id.to_string());
+        Some(Arc::clone(text))
+    }
+}
+
+impl ToolMemory {
+    pub fn new(max_ids: usize) -> Self {
+        ToolMemory {
+            max_ids,
+            inner: Mutex::new(Lru::default()),
+        }
+    }
+
+    /// Remembers `raw` as the exact text of the turn whose calls have `ids`.
+    pub fn remember(&self, ids: &[String], raw: &str) {
+        if self.max_ids == 0 || ids.is_empty() {
+            return;
+        }
+        let text: Arc<str> = Arc::from(raw);
+        let Ok(mut m) = self.inner.lock() else { return };
+        for id in ids {
+            m.tick += 1;
+            let tick = m.tick;
+            if let Some((_, old)) = m.entries.insert(id.clone(), (Arc::clone(&text), tick)) {
+                m.by_age.remove(&old);
+            }
+            m.by_age.insert(tick, id.clone());
+        }
+        while m.entries.len() > self.max_ids {
+            let Some((_, oldest)) = m.by_age.pop_first() else { break };
+            m.entries.remove(&oldest);
+        }
+    }
+
+    /// The remembered text of a turn, if every id is known and all map to the
+    /// same turn.
+    pub fn lookup(&self, ids: &[&str]) -> Option<Arc<str>> {
+        let mut m = self.inner.lock().ok()?;
+        let mut found: Option<Arc<str>> = None;
+        for id in ids {
+            let text = m.touch(id)?;
+            match &found {
+                Some(f) if !Arc::ptr_eq(f, &text) && **f != *text => return None,
+                _ => found = Some(text),
+            }
+        }
+        found
+    }
+
+    /// Sets `tool_calls_raw` on every history assistant turn whose calls are all
+    /// remembered as one turn.
+    pub fn attach(&self, messages: &mut [Message]) -> ReplayStats {
+        let mut stats = ReplayStats::default();
+        for m in messages
+            .iter_mut()
+            .filter(|m| m.role == Role::Assistant && !m.tool_calls.is_empty())
+        {
+            let ids: Vec<&str> = m.tool_calls.iter().map(|c| c.id.as_str()).collect();
+            match self.lookup(&ids) {
+                Some(raw) => {
+                    m.tool_calls_raw = Some(raw.to_string());
+                    stats.exact += 1;
+                }
+                None => stats.canonical += 1,
+            }
+        }
+        stats
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.lock().map_or(0, |m| m.entries.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ds4_chat::ToolCall;
+
+    fn raw(s: &str) -> Box<RawValue> {
+        RawValue::from_string(s.to_string()).unwrap()
+    }
+
+    #[test]
+    fn tools_parse_from_every_dialect_shape() {
+        let openai = raw(
+            r#"[{"type":"function","function":{"name":"get","description":"d","parameters":{"type":"object","properties":{"b":{},"a":{}}}}}]"#,
+        );
+        let t = parse_tools(Some(&openai)).unwrap();
+        assert_eq!(t[0].name, "get");
+        assert_eq!(
+            t[0].parameters,
+            r#"{"type":"object","properties":{"b":{},"a":{}}}"#,
+            "key order is kept"
+        );
+        let anthropic = raw(r#"[{"name":"ls","input_schema":{"type":"object"}},{"type":"web_search_20250305","name":"web_search"}]"#);
+        let t = parse_tools(Some(&anthropic)).unwrap();
+        assert_eq!((t.len(), t[0].name.as_str()), (1, "ls"), "hosted tools are skipped");
+        let responses = raw(r#"[{"type":"function","name":"f","parameters":null}]"#);
+        let t = parse_tools(Some(&responses)).unwrap();
+        assert_eq!(t[0].parameters, r#"{"type":"object","properties":{}}"#);
+        assert_eq!(t[0].raw, r#"{"type":"function","name":"f","parameters":null}"#);
+
+        for (bad, msg) in [
+            (r#"{}"#, "must be an array"),
+            (r#"[1]"#, "must be an object"),
+            (r#"[{"type":"function","function":{}}]"#, "`name` is required"),
+            (r#"[{"name":"a","input_schema":[]}]"#, "must be an object"),
+            (r#"[{"name":"a"},{"name":"a"}]"#, "duplicate tool name"),
+        ] {
+            let e = parse_tools(Some(&raw(bad))).unwrap_err();
+            assert!(e.contains(msg), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn call_ids_are_random_hex() {
+        let a = new_call_id("call_");
+        let b = new_call_id("call_");
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 5 + 32);
+        assert!(a[5..].bytes().all(|c| c.is_ascii_hexdigit()));
+    }
+
+    #[test]
+    fn memory_replays_whole_turns_and_evicts_the_least_recently_used() {
+        let mem = ToolMemory::new(3);
+        mem.remember(&["a".into(), "b".into()], "\nTURN1");
+        mem.remember(&["c".into()], "\nTURN2");
+        assert_eq!(mem.lookup(&["a", "b"]).as_deref(), Some("\nTURN1"));
+        assert_eq!(mem.lookup(&["a", "c"]), None, "ids of different turns");
+        assert_eq!(mem.lookup(&["a", "x"]), None, "an unknown id");
+        // Lookups touch what they find: "b" is now the least recently used.
+        mem.remember(&["d".into()], "\nTURN3");
+        assert_eq!(mem.len(), 3);
+        assert_eq!(mem.lookup(&["b"]), None);
+        assert!(mem.lookup(&["c"]).is_some() && mem.lookup(&["d"]).is_some());
+
+        let mut msgs = vec![
+            Message::new(Role::User, "q"),
+            Message {
+                role: Role::Assistant,
+                tool_calls: vec![
+                    ToolCall { id: "a".into(), name: "f".into(), arguments: "{}".into() },
+                    ToolCall { id: "b".into(), name: "f".into(), arguments: "{}".into() },
+                ],
+                ..Default::default()
+            },
+            Message {
+                role: Role::Assistant,
+                tool_calls: vec![ToolCall { id: "zz".into(), ..Default::default() }],
+                ..Default::default()
+            },
+        ];
+        mem.remember(&["a".into(), "b".into()], "\nTURN1");
+        let stats = mem.attach(&mut msgs);
+        assert_eq!(stats, ReplayStats { exact: 1, canonical: 1 });
+        assert_eq!(msgs[1].tool_calls_raw.as_deref(), Some("\nTURN1"));
+        assert_eq!(msgs[2].tool_calls_raw, None);
+
+        let off = ToolMemory::new(0);
+        off.remember(&["a".into()], "x");
+        assert_eq!(off.len(), 0);
+    }
+}
