@@ -8,8 +8,11 @@
 mod dsml;
 mod glm;
 mod hermes;
+mod markup;
 mod qwen_xml;
 
+pub use glm::Glm;
+pub use qwen_xml::QwenXml;
 
 /// One tool offered by the request.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -60,7 +63,9 @@ pub enum ToolEvent {
     Call(ParsedCall),
     /// A call-looking block that did not parse; its text was (or is now) reported
     /// as `Text`. `reason` is for the trace.
-    Malformed { reason: String },
+    Malformed {
+        reason: String,
+    },
 }
 
 /// The authoritative result of parsing a whole generated turn.
