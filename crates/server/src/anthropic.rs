@@ -861,6 +861,7 @@ mod tests {
             checkpointed_tokens: checkpointed,
             completion_tokens: 9,
             cache_source: CacheSource::None,
+            miss: None,
         }
     }
 

@@ -406,7 +406,7 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
         let mut shaper = shaper;
         while let Some(ev) = rx.recv().await {
             match ev {
-                Event::Started { .. } => {}
+                Event::Started(_) => {}
                 Event::Text(t) => {
                     shaper.push(&t);
                 }
@@ -431,17 +431,7 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
     // then relay. The start comes before the prefill, so the headers go out early
     // and keep-alive comments cover a long prefill.
     let started = match rx.recv().await {
-        Some(Event::Started {
-            prompt_tokens,
-            cached_tokens,
-            cache_source,
-        }) => Usage {
-            prompt_tokens,
-            cached_tokens,
-            checkpointed_tokens: 0,
-            completion_tokens: 0,
-            cache_source,
-        },
+        Some(Event::Started(usage)) => usage,
         Some(Event::Failed(e)) => return job_error(d.as_ref(), &e),
         _ => {
             return d.error(
@@ -477,7 +467,7 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
                     events
                 }
                 Some(Event::Failed(e)) => d.stream_error(&g, &e.to_string()),
-                Some(Event::Started { .. }) | None => d.stream_error(&g, "the engine stopped"),
+                Some(Event::Started(_)) | None => d.stream_error(&g, "the engine stopped"),
             };
             Some((out, None))
         }
@@ -509,14 +499,21 @@ fn sse(
     )
 }
 
-/// `x-ds4-cache: SOURCE; reused=N; prompt=M`, for clients and operators.
+/// `x-ds4-cache: SOURCE; reused=N; prompt=M`, for clients and operators, and
+/// when a candidate offered more than was reused, where the prompt diverged from
+/// it (`; candidate=memory; offered=K; diverge_byte=B; diverge_token=T;
+/// prompt_bytes="..."; candidate_bytes="..."`, escaped to ASCII).
 fn cache_header(r: &mut Response, u: &Usage) {
-    let v = format!(
+    let mut v = format!(
         "{}; reused={}; prompt={}",
         u.cache_source.as_str(),
         u.cached_tokens,
         u.prompt_tokens
     );
+    if let Some(m) = &u.miss {
+        v.push_str("; ");
+        v.push_str(&m.describe());
+    }
     if let Ok(v) = HeaderValue::from_str(&v) {
         r.headers_mut().insert("x-ds4-cache", v);
     }

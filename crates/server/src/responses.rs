@@ -889,6 +889,7 @@ mod tests {
             checkpointed_tokens: 0,
             completion_tokens: 3,
             cache_source: CacheSource::MemoryToken,
+            miss: None,
         }
     }
 

@@ -80,17 +80,77 @@ pub struct Usage {
     pub checkpointed_tokens: usize,
     pub completion_tokens: usize,
     pub cache_source: CacheSource,
+    /// Set when a candidate state offered more than was reused: why.
+    pub miss: Option<Box<Divergence>>,
+}
+
+/// Where a prompt first differs from the text of the best reuse candidate.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Divergence {
+    /// `memory` (the live session) or `disk` (a checkpoint).
+    pub candidate: &'static str,
+    /// Tokens the candidate holds.
+    pub offered_tokens: usize,
+    /// Byte offset of the first difference in the rendered prompt.
+    pub byte: usize,
+    /// Prompt tokens wholly before that byte.
+    pub token: usize,
+    /// Up to 40 bytes of each side from the difference, escaped to ASCII.
+    pub prompt_bytes: String,
+    pub candidate_bytes: String,
+}
+
+impl Divergence {
+    /// Compares `prompt` (tokenized as `ids`, piece lengths from `piece_len`) with
+    /// a candidate's text.
+    pub fn find(
+        candidate: &'static str,
+        offered_tokens: usize,
+        prompt: &[u8],
+        text: &[u8],
+        ids: &[u32],
+        piece_len: impl Fn(u32) -> usize,
+    ) -> Self {
+        let byte = prompt.iter().zip(text).take_while(|(a, b)| a == b).count();
+        let mut end = 0;
+        let token = ids
+            .iter()
+            .take_while(|&&id| {
+                end += piece_len(id);
+                end <= byte
+            })
+            .count();
+        let excerpt = |b: &[u8]| {
+            let tail = &b[byte.min(b.len())..];
+            String::from_utf8_lossy(&tail[..tail.len().min(40)])
+                .escape_default()
+                .to_string()
+        };
+        Divergence {
+            candidate,
+            offered_tokens,
+            byte,
+            token,
+            prompt_bytes: excerpt(prompt),
+            candidate_bytes: excerpt(text),
+        }
+    }
+
+    /// The header / trace form: `candidate=memory; offered=N; diverge_byte=B; ...`.
+    pub fn describe(&self) -> String {
+        format!(
+            "candidate={}; offered={}; diverge_byte={}; diverge_token={}; prompt_bytes=\"{}\"; candidate_bytes=\"{}\"",
+            self.candidate, self.offered_tokens, self.byte, self.token, self.prompt_bytes, self.candidate_bytes
+        )
+    }
 }
 
 /// What the worker reports, in order: `Started`, any number of `Text`, then `Done`
 /// or `Failed`.
 #[derive(Clone, Debug)]
 pub enum Event {
-    Started {
-        prompt_tokens: usize,
-        cached_tokens: usize,
-        cache_source: CacheSource,
-    },
+    /// The prompt and reuse counts (nothing generated or checkpointed yet).
+    Started(Usage),
     Text(String),
     Done {
         finish: FinishReason,
@@ -297,13 +357,26 @@ impl WorkerState {
         if let Some(p) = &mut self.persist {
             p.last_file = None;
         }
+        let live = self.session.tokens().to_vec();
         let (ids, reused, source) = self.plan(&job.prompt);
+        let miss = (reused < live.len()).then(|| {
+            let tok = &self.session.model().tokenizer;
+            Box::new(Divergence::find(
+                "memory",
+                live.len(),
+                job.prompt.as_bytes(),
+                &tok.decode(&live, true),
+                &ids,
+                |id| tok.decode(&[id], true).len(),
+            ))
+        });
         let checkpoint = self.persist.as_ref().and_then(|p| p.last_file.clone());
         if let Some(t) = &self.trace {
             t.write(json!({
                 "event": "cache", "id": job.id, "cache_source": source.as_str(), "reused_tokens": reused,
                 "prompt_tokens": ids.len(),
                 "checkpoint_file": checkpoint.as_ref().map(|f| f.display().to_string()),
+                "miss": miss.as_ref().map(|m| m.describe()),
             }));
         }
         let n_ctx = self.session.n_ctx();
@@ -323,11 +396,14 @@ impl WorkerState {
             // The client left while the job was queued: skip the prefill.
             return Ok(());
         }
-        let _ = job.events.blocking_send(Event::Started {
+        let _ = job.events.blocking_send(Event::Started(Usage {
             prompt_tokens: ids.len(),
             cached_tokens: reused,
+            checkpointed_tokens: 0,
+            completion_tokens: 0,
             cache_source: source,
-        });
+            miss: miss.clone(),
+        }));
         let t0 = Instant::now();
         let suffix = &ids[self.session.tokens().len()..];
         let saved_before = self.persist.as_ref().map_or(0, |p| p.saved_tokens());
@@ -439,6 +515,7 @@ impl WorkerState {
                 checkpointed_tokens: checkpointed,
                 completion_tokens: generated,
                 cache_source: source,
+                miss,
             },
         });
         Ok(())
