@@ -12,7 +12,10 @@ pub mod think;
 pub mod tools;
 
 pub use chatml::ChatMl;
-pub use think::ThinkMode;
+pub use deepseek::DeepSeek;
+pub use think::{
+    ThinkControl, ThinkEvent, ThinkMode, ThinkRequest, ThinkSplit, ThinkSplitter, UnknownEffort,
+};
 pub use tools::{ToolCall, ToolChoice, ToolSpec};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

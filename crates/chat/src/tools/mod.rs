@@ -11,6 +11,7 @@ mod hermes;
 mod markup;
 mod qwen_xml;
 
+pub use dsml::Dsml;
 pub use glm::Glm;
 pub use qwen_xml::QwenXml;
 
