@@ -80,6 +80,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         )),
         None => None,
     };
+    let n_ctx = session.n_ctx();
     let worker = Worker::start(session, persist, a.queue_max, Arc::clone(&metrics), trace);
     let cfg = ServerConfig {
         api_key: a.api_key.clone(),
@@ -92,6 +93,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         exact_tool_replay: !a.disable_exact_tool_replay,
         tool_memory_max_ids: a.tool_memory_max_ids,
         normalize: (!a.no_normalize_prompts).then(|| a.normalize_regex.clone()),
+        n_ctx,
     };
     let app = router(cfg, worker.handle.clone(), model, metrics)
         .context("invalid --normalize-regex pattern")?;

@@ -27,6 +27,7 @@ use axum::http::StatusCode;
 use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use ds4_chat::think::ThinkControl;
 use ds4_chat::{Message, Role, ToolCall, ToolChoice};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -85,11 +86,10 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
         .map_err(|e| BadRequest::new(format!("invalid JSON request: {e}"), None))?;
     let tools = crate::tooling::parse_tools(b.tools.as_deref())
         .map_err(|m| BadRequest::new(format!("tools: {m}"), Some("tools")))?;
-    let control = b
-        .thinking
-        .as_ref()
-        .map(|t| think_control(t, "thinking"))
-        .transpose()?;
+    let control = match &b.thinking {
+        Some(t) => think_control(t, "thinking")?,
+        None => ThinkControl::Absent,
+    };
     let effort = b
         .output_config
         .and_then(|o| o.effort)

@@ -5,6 +5,7 @@
 use axum::http::StatusCode;
 use axum::response::sse::Event as SseEvent;
 use axum::response::Response;
+use ds4_chat::think::{ThinkControl, ThinkRequest};
 use ds4_chat::{Message, ThinkMode, ToolChoice, ToolSpec};
 use ds4_engine::SamplerConfig;
 use serde_json::Value;
@@ -32,7 +33,8 @@ pub struct Request {
 pub struct AgentOptions {
     pub tools: Vec<ToolSpec>,
     pub tool_choice: ToolChoice,
-    /// The thinking mode the request asked for (the family may not have one).
+    /// The thinking mode the request asked for, before context gating (the
+    /// family may not have one).
     pub think: ThinkMode,
     /// Anthropic `cache_control` breakpoints: the index of the message whose end
     /// is a boundary worth a checkpoint (`usize::MAX` for the end of the system
@@ -109,50 +111,43 @@ pub struct Gen {
     pub model: String,
 }
 
-/// The thinking mode a request asks for (system spec §5.4–5.5). `control` is an
-/// explicit on/off control (`Some(None)`: present but null, which still counts as
-/// seen); `effort` an effort name; the model aliases `deepseek-chat` /
-/// `deepseek-reasoner` decide only when no control was seen. The default is
-/// thinking on; families without a thinking mode render it as off.
+/// The thinking mode a request asks for (system spec §5.4–5.5), before context
+/// gating: `control` as the dialect saw it, `effort` an effort name, the model
+/// string for the `deepseek-chat` / `deepseek-reasoner` alias rule.
 pub fn think_mode(
-    control: Option<Option<bool>>,
+    control: ThinkControl,
     effort: Option<&str>,
     model: Option<&str>,
     param: &'static str,
 ) -> Result<ThinkMode, BadRequest> {
-    let effort = match effort {
-        None => None,
-        Some("max") => Some(ThinkMode::Max),
-        Some("xhigh" | "high" | "medium" | "low" | "minimal") => Some(ThinkMode::High),
-        Some("none") => Some(ThinkMode::None),
-        Some(other) => {
-            return Err(BadRequest::new(
-                format!("unknown reasoning effort {other:?} (none, minimal, low, medium, high, xhigh, max)"),
+    let effort = effort
+        .map(ThinkMode::from_effort)
+        .transpose()
+        .map_err(|e| {
+            BadRequest::new(
+                format!("{e} (none, minimal, low, medium, high, xhigh, max)"),
                 Some(param),
-            ))
-        }
+            )
+        })?;
+    let request = ThinkRequest {
+        control,
+        effort,
+        model: model.unwrap_or(""),
     };
-    let enabled = match control {
-        Some(c) => c.unwrap_or(true),
-        None => !matches!(model, Some("deepseek-chat")),
-    };
-    Ok(match effort {
-        _ if !enabled => ThinkMode::None,
-        Some(ThinkMode::None) => ThinkMode::None,
-        Some(ThinkMode::Max) => ThinkMode::Max,
-        _ => ThinkMode::High,
-    })
+    Ok(request.resolve(usize::MAX))
 }
 
 /// An on/off thinking control: `true`/`false`, null, or `{"type": "enabled" |
 /// "disabled" | "adaptive"}` (other keys such as `budget_tokens` ignored).
-pub fn think_control(v: &Value, param: &'static str) -> Result<Option<bool>, BadRequest> {
+pub fn think_control(v: &Value, param: &'static str) -> Result<ThinkControl, BadRequest> {
     match v {
-        Value::Null => Ok(None),
-        Value::Bool(b) => Ok(Some(*b)),
+        Value::Null => Ok(ThinkControl::Present),
+        Value::Bool(true) => Ok(ThinkControl::Enabled),
+        Value::Bool(false) => Ok(ThinkControl::Disabled),
         Value::Object(o) => match o.get("type").and_then(Value::as_str) {
-            Some("enabled" | "adaptive") => Ok(Some(true)),
-            Some("disabled") => Ok(Some(false)),
+            Some("enabled") => Ok(ThinkControl::Enabled),
+            Some("adaptive") => Ok(ThinkControl::Present),
+            Some("disabled") => Ok(ThinkControl::Disabled),
             _ => Err(BadRequest::new(
                 format!("{param}.type must be \"enabled\", \"disabled\" or \"adaptive\""),
                 Some(param),

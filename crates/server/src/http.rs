@@ -49,6 +49,8 @@ pub struct ServerConfig {
     /// Extra normalisation patterns (`--normalize-regex`); `None` turns
     /// normalisation off (`--no-normalize-prompts`).
     pub normalize: Option<Vec<String>>,
+    /// The session's context size (thinking modes are gated on it).
+    pub n_ctx: usize,
 }
 
 impl Default for ServerConfig {
@@ -62,6 +64,7 @@ impl Default for ServerConfig {
             exact_tool_replay: true,
             tool_memory_max_ids: 100_000,
             normalize: Some(vec![]),
+            n_ctx: 8192,
         }
     }
 }
@@ -307,7 +310,7 @@ pub(crate) fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'stati
     st.normalizer.apply(messages);
     let replay = st.tool_memory.attach(messages);
     let think = if t.supports_thinking() {
-        p.agent.think
+        p.agent.think.for_context(st.cfg.n_ctx)
     } else {
         ThinkMode::None
     };
@@ -356,10 +359,7 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
             seed: sampling.seed,
         };
     }
-    let shaper = match r.parser {
-        Some(parser) => Shaper::with_tools(parser, r.forced.as_deref(), d.call_id_prefix()),
-        None => Shaper::plain(),
-    };
+    let shaper = Shaper::new(r.think, r.parser, r.forced.as_deref(), d.call_id_prefix());
     let (tx, mut rx) = mpsc::channel(256);
     let id = format!(
         "{}-{}",

@@ -6,6 +6,7 @@ use axum::http::StatusCode;
 use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use ds4_chat::think::ThinkControl;
 use ds4_chat::{Message, Role, ToolCall, ToolChoice};
 use ds4_engine::SamplerConfig;
 use serde::Deserialize;
@@ -210,9 +211,9 @@ fn common(c: Common) -> Result<Request, BadRequest> {
     let tools = crate::tooling::parse_tools(c.tools.as_deref())
         .map_err(|m| BadRequest::new(m, Some("tools")))?;
     let control = match (&c.thinking, &c.think) {
-        (Some(t), _) => Some(think_control(t, "thinking")?),
-        (None, Some(t)) => Some(think_control(t, "think")?),
-        (None, None) => None,
+        (Some(t), _) => think_control(t, "thinking")?,
+        (None, Some(t)) => think_control(t, "think")?,
+        (None, None) => ThinkControl::Absent,
     };
     let agent = AgentOptions {
         tools,

@@ -136,7 +136,11 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
     let tools = crate::tooling::parse_tools(b.tools.as_deref()).map_err(|m| bad(m, "tools"))?;
     let effort = b.reasoning.and_then(|r| r.effort);
     // A reasoning effort is the Responses API's thinking control.
-    let control = effort.as_deref().map(|e| Some(e != "none"));
+    let control = match effort.as_deref() {
+        None => ds4_chat::think::ThinkControl::Absent,
+        Some("none") => ds4_chat::think::ThinkControl::Disabled,
+        Some(_) => ds4_chat::think::ThinkControl::Present,
+    };
     let agent = AgentOptions {
         tools,
         tool_choice: tool_choice(b.tool_choice.as_ref())?,

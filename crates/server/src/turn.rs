@@ -3,7 +3,9 @@
 //! incrementally by the family's syntax; the final parse is authoritative and
 //! agrees with what was streamed (calls are streamed whole, never taken back).
 
+use ds4_chat::think::{ThinkEvent, ThinkSplitter};
 use ds4_chat::tools::{ParsedTurn, ToolEvent, ToolParser};
+use ds4_chat::ThinkMode;
 
 use crate::tooling::new_call_id;
 
@@ -49,57 +51,76 @@ impl Turn {
 }
 
 pub struct Shaper {
+    think: Option<ThinkSplitter>,
     tools: Option<Box<dyn ToolParser>>,
     id_prefix: &'static str,
     calls: Vec<CallOut>,
+    /// Visible text when no tool parser keeps it.
     text: String,
     malformed: Option<String>,
 }
 
 impl Shaper {
-    /// A shaper for plain text (no tools offered, or a raw completion).
-    pub fn plain() -> Self {
+    /// A shaper for a turn rendered in `think` mode, parsing tool calls with
+    /// `tools` when tools are active. `forced` is text the prompt already ends
+    /// with (a forced call's opening), parsed before the output.
+    pub fn new(
+        think: ThinkMode,
+        tools: Option<Box<dyn ToolParser>>,
+        forced: Option<&str>,
+        id_prefix: &'static str,
+    ) -> Self {
+        let mut tools = tools;
+        if let (Some(p), Some(f)) = (&mut tools, forced) {
+            // An opening can't complete a call, so nothing comes out of it.
+            p.push(f);
+        }
         Shaper {
-            tools: None,
-            id_prefix: "",
+            think: think.is_thinking().then(|| ThinkSplitter::new(think)),
+            tools,
+            id_prefix,
             calls: vec![],
             text: String::new(),
             malformed: None,
         }
     }
 
-    /// A shaper that parses tool calls with `parser`. `forced` is text the prompt
-    /// already ends with (a forced call's opening), parsed before the output.
-    pub fn with_tools(
-        mut parser: Box<dyn ToolParser>,
-        forced: Option<&str>,
-        id_prefix: &'static str,
-    ) -> Self {
-        let mut s = Shaper::plain();
-        s.id_prefix = id_prefix;
-        if let Some(f) = forced {
-            // The opening can't complete a call, so nothing comes out yet.
-            let early = parser.push(f);
-            debug_assert!(early.iter().all(|e| !matches!(e, ToolEvent::Call(_))));
-        }
-        s.tools = Some(parser);
-        s
+    /// A shaper that passes text through (raw completions).
+    pub fn plain() -> Self {
+        Shaper::new(ThinkMode::None, None, None, "")
     }
 
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
-        match &mut self.tools {
-            None => {
-                self.text.push_str(text);
-                vec![Piece::Text(text.to_string())]
-            }
-            Some(p) => {
-                let events = p.push(text);
-                self.pieces(events)
-            }
-        }
+        let events = match &mut self.think {
+            Some(t) => t.push(text),
+            None => vec![ThinkEvent::Content(text.to_string())],
+        };
+        self.after_think(events)
     }
 
-    fn pieces(&mut self, events: Vec<ToolEvent>) -> Vec<Piece> {
+    fn after_think(&mut self, events: Vec<ThinkEvent>) -> Vec<Piece> {
+        let mut out = Vec::new();
+        for e in events {
+            match e {
+                ThinkEvent::Reasoning(r) if !r.is_empty() => out.push(Piece::Reasoning(r)),
+                ThinkEvent::Reasoning(_) => {}
+                ThinkEvent::Content(c) => match &mut self.tools {
+                    Some(p) => {
+                        let events = p.push(&c);
+                        out.extend(self.after_tools(events));
+                    }
+                    None if c.is_empty() => {}
+                    None => {
+                        self.text.push_str(&c);
+                        out.push(Piece::Text(c));
+                    }
+                },
+            }
+        }
+        out
+    }
+
+    fn after_tools(&mut self, events: Vec<ToolEvent>) -> Vec<Piece> {
         let mut out = Vec::new();
         for e in events {
             match e {
@@ -122,24 +143,37 @@ impl Shaper {
 
     /// Ends the turn: the last pieces and the whole turn.
     pub fn finish(mut self) -> (Vec<Piece>, Turn) {
-        let Some(mut parser) = self.tools.take() else {
-            let turn = Turn {
-                content: std::mem::take(&mut self.text),
-                ..Turn::default()
-            };
-            return (vec![], turn);
+        let mut pieces = Vec::new();
+        let mut split = None;
+        if let Some(mut t) = self.think.take() {
+            let (events, s) = t.finish();
+            pieces = self.after_think(events);
+            split = Some(s);
+        }
+        let mut turn = match self.tools.take() {
+            None => Turn::text(std::mem::take(&mut self.text)),
+            Some(mut parser) => {
+                let (events, parsed) = parser.finish();
+                pieces.extend(self.after_tools(events));
+                self.turn_from(parsed)
+            }
         };
-        let (events, parsed) = parser.finish();
-        let pieces = self.pieces(events);
-        let ParsedTurn {
-            content,
-            calls,
-            calls_raw,
-            malformed,
-        } = parsed;
-        // The final parse is authoritative; ids come from the streamed calls,
-        // which the parser contract makes the same calls in the same order.
-        let calls = calls
+        if let Some(s) = split {
+            match s.reasoning {
+                Some(r) => turn.reasoning = r,
+                // The think block never closed: all of it is the answer, and no
+                // call inside it is executable (system spec §5.6, §7.4).
+                None => turn = Turn::text(s.content),
+            }
+        }
+        (pieces, turn)
+    }
+
+    /// The final parse is authoritative; ids come from the streamed calls,
+    /// which the parser contract makes the same calls in the same order.
+    fn turn_from(&self, parsed: ParsedTurn) -> Turn {
+        let calls = parsed
+            .calls
             .into_iter()
             .enumerate()
             .map(|(i, c)| CallOut {
@@ -151,13 +185,114 @@ impl Shaper {
                 arguments: c.arguments,
             })
             .collect();
-        let turn = Turn {
+        Turn {
             reasoning: String::new(),
-            content,
+            content: parsed.content,
             calls,
-            calls_raw,
-            malformed: malformed.or(self.malformed),
-        };
+            calls_raw: parsed.calls_raw,
+            malformed: parsed.malformed.or_else(|| self.malformed.clone()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ds4_chat::tools::{Dsml, ToolSyntax};
+    use ds4_chat::{ToolCall, ToolChoice, ToolSpec};
+
+    fn tools() -> Vec<ToolSpec> {
+        vec![ToolSpec {
+            name: "ls".into(),
+            description: String::new(),
+            parameters: r#"{"type":"object"}"#.into(),
+            raw: r#"{"name":"ls","input_schema":{"type":"object"}}"#.into(),
+        }]
+    }
+
+    /// Feeds `text` in chunks of `n` bytes (on char boundaries).
+    fn shape(mut s: Shaper, text: &str, n: usize) -> (Vec<Piece>, Turn) {
+        let mut pieces = Vec::new();
+        let mut rest = text;
+        while !rest.is_empty() {
+            let mut cut = n.min(rest.len());
+            while !rest.is_char_boundary(cut) {
+                cut += 1;
+            }
+            pieces.extend(s.push(&rest[..cut]));
+            rest = &rest[cut..];
+        }
+        let (tail, turn) = s.finish();
+        pieces.extend(tail);
         (pieces, turn)
+    }
+
+    #[test]
+    fn reasoning_text_and_calls_come_apart_with_ids() {
+        let calls = Dsml.render_calls(&[ToolCall {
+            id: String::new(),
+            name: "ls".into(),
+            arguments: r#"{"dir":"/tmp"}"#.into(),
+        }]);
+        let text = format!("<think>look first</think>Listing.{calls}");
+        for n in [1, 3, 7, 1000] {
+            let shaper = Shaper::new(ThinkMode::High, Some(Dsml.parser(&tools())), None, "call_");
+            let (pieces, turn) = shape(shaper, &text, n);
+            let reasoning: String = pieces
+                .iter()
+                .filter_map(|p| match p {
+                    Piece::Reasoning(r) => Some(r.as_str()),
+                    _ => None,
+                })
+                .collect();
+            let visible: String = pieces
+                .iter()
+                .filter_map(|p| match p {
+                    Piece::Text(t) => Some(t.as_str()),
+                    _ => None,
+                })
+                .collect();
+            let streamed: Vec<&CallOut> = pieces
+                .iter()
+                .filter_map(|p| match p {
+                    Piece::Call(_, c) => Some(c),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!((reasoning.as_str(), visible.as_str()), ("look first", "Listing."));
+            assert_eq!(turn.reasoning, "look first");
+            assert_eq!(turn.content, "Listing.");
+            assert_eq!(turn.calls.len(), 1);
+            assert_eq!(streamed, vec![&turn.calls[0]], "streamed ids are the final ids");
+            assert_eq!(turn.calls[0].arguments, r#"{"dir":"/tmp"}"#);
+            assert!(turn.calls[0].id.starts_with("call_"));
+            assert_eq!(turn.calls_raw, calls);
+        }
+    }
+
+    #[test]
+    fn an_unclosed_think_block_is_all_answer_and_calls_in_it_do_not_run() {
+        let text = "<think>maybe <｜DSML｜tool_calls></｜DSML｜tool_calls>";
+        let shaper = Shaper::new(ThinkMode::High, Some(Dsml.parser(&tools())), None, "call_");
+        let (_, turn) = shape(shaper, text, 4);
+        assert!(turn.calls.is_empty());
+        assert_eq!(turn.reasoning, "");
+        assert!(turn.content.contains("tool_calls"));
+    }
+
+    #[test]
+    fn a_forced_opening_is_parsed_before_the_output() {
+        let forced = Dsml.forced_prefix(&ToolChoice::Named("ls".into())).unwrap();
+        let rest = "<｜DSML｜parameter name=\"dir\" string=\"true\">/</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+        let shaper = Shaper::new(ThinkMode::None, Some(Dsml.parser(&tools())), Some(&forced), "toolu_");
+        let (pieces, turn) = shape(shaper, rest, 5);
+        assert!(pieces.iter().all(|p| matches!(p, Piece::Call(..))));
+        assert_eq!(turn.calls[0].name, "ls");
+        assert!(turn.calls[0].id.starts_with("toolu_"));
+        assert_eq!(turn.calls_raw, format!("{forced}{rest}"));
+
+        let (pieces, turn) = shape(Shaper::plain(), "just text", 2);
+        assert_eq!(turn, Turn::text("just text"));
+        assert_eq!(pieces.len(), 5);
     }
 }
