@@ -16,7 +16,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use ds4_chat::ChatMl;
+use ds4_chat::{ChatMl, RenderOptions, Template};
 use ds4_engine::Model;
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
@@ -235,7 +235,13 @@ fn job_error(d: &dyn Dialect, e: &JobError) -> Response {
 pub(crate) fn render(st: &AppState, input: &Input) -> Result<String, &'static str> {
     match (input, &st.template) {
         (Input::Raw(s), _) => Ok(s.clone()),
-        (Input::Messages(m), Some(t)) => Ok(t.render(m, true)),
+        (Input::Messages(m), Some(t)) => Ok(t.render(
+            m,
+            &RenderOptions {
+                add_generation_prompt: true,
+                ..Default::default()
+            },
+        )),
         (Input::Messages(_), None) => Err("this model has no chat template; use /v1/completions"),
     }
 }

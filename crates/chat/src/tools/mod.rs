@@ -10,6 +10,7 @@ mod glm;
 mod hermes;
 mod qwen_xml;
 
+pub use hermes::Hermes;
 
 /// One tool offered by the request.
 #[derive(Clone, Debug, PartialEq, Eq)]
