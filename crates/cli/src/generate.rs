@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use ds4_chat::{ChatMl, Message, Role};
+use ds4_chat::{ChatMl, Message, RenderOptions, Role, Template};
 use ds4_engine::sampler::{argmax, log_softmax, top_k};
 use ds4_engine::tokenizer::StreamDecoder;
 use ds4_engine::{Model, Precision, Sampler, SamplerConfig, Session, SessionOptions, ThreadPool};
@@ -392,7 +392,13 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
             _ => {}
         }
         history.push(Message::new(Role::User, line));
-        let full = template.render(&history, true);
+        let full = template.render(
+            &history,
+            &RenderOptions {
+                add_generation_prompt: true,
+                ..Default::default()
+            },
+        );
         let t0 = Instant::now();
         let mut restored = 0;
         let reused_live = !session.tokens().is_empty() && full.starts_with(fed.as_str());

@@ -94,7 +94,12 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
         .output_config
         .and_then(|o| o.effort)
         .or(b.reasoning_effort);
-    let think = think_mode(control, effort.as_deref(), b.model.as_deref(), "output_config")?;
+    let think = think_mode(
+        control,
+        effort.as_deref(),
+        b.model.as_deref(),
+        "output_config",
+    )?;
     let max_tokens = match b.max_tokens {
         None if need_max_tokens => {
             return Err(BadRequest::new(
@@ -351,7 +356,9 @@ fn user_messages(content: Value, i: usize) -> Result<Vec<Message>, BadRequest> {
             }
             ty => {
                 return Err(BadRequest::new(
-                    format!("messages.{i}.content.{j}: {ty} blocks are not supported in user messages"),
+                    format!(
+                        "messages.{i}.content.{j}: {ty} blocks are not supported in user messages"
+                    ),
                     Some("messages"),
                 ))
             }
@@ -379,12 +386,12 @@ fn assistant_message(content: Value, i: usize) -> Result<Message, BadRequest> {
                 name: text_field(&b, "name", i, j)?.to_string(),
                 arguments: b.get("input").map_or_else(|| "{}".into(), Value::to_string),
             }),
-            ty => {
-                return Err(BadRequest::new(
-                    format!("messages.{i}.content.{j}: {ty} blocks are not supported in assistant messages"),
-                    Some("messages"),
-                ))
-            }
+            ty => return Err(BadRequest::new(
+                format!(
+                    "messages.{i}.content.{j}: {ty} blocks are not supported in assistant messages"
+                ),
+                Some("messages"),
+            )),
         }
     }
     Ok(m)
@@ -522,7 +529,9 @@ impl Dialect for Anthropic {
             content.push(json!({ "type": "text", "text": turn.content }));
         }
         for c in &turn.calls {
-            content.push(json!({ "type": "tool_use", "id": c.id, "name": c.name, "input": input_json(c) }));
+            content.push(
+                json!({ "type": "tool_use", "id": c.id, "name": c.name, "input": input_json(c) }),
+            );
         }
         json!({
             "id": message_id(g), "type": "message", "role": "assistant", "model": g.model,
@@ -805,8 +814,10 @@ mod tests {
             r#"[{"type":"tool_result","tool_use_id":"t","content":[{"type":"image"}]}]"#
         ))
         .contains("not supported in tool results"));
-        assert!(bad(&user(r#"[{"type":"tool_use","id":"t","name":"f","input":{}}]"#))
-            .contains("tool_use blocks are not supported in user messages"));
+        assert!(bad(&user(
+            r#"[{"type":"tool_use","id":"t","name":"f","input":{}}]"#
+        ))
+        .contains("tool_use blocks are not supported in user messages"));
         assert!(bad(&user(r#"[{"type":"text"}]"#)).contains("content.0.text"));
         assert!(bad(&user(r#"[{"text":"x"}]"#)).contains("content.0.type"));
         assert!(bad(&user("5")).contains("must be a string or an array"));
@@ -895,7 +906,12 @@ mod tests {
 
     #[test]
     fn responses_have_anthropic_shapes() {
-        let v = Anthropic::default().complete(&gen(), &Turn::text("Paris."), FinishReason::Length, &usage(10, 4, 0));
+        let v = Anthropic::default().complete(
+            &gen(),
+            &Turn::text("Paris."),
+            FinishReason::Length,
+            &usage(10, 4, 0),
+        );
         assert_eq!(
             v,
             json!({
@@ -907,7 +923,12 @@ mod tests {
             })
         );
         assert_eq!(
-            Anthropic::default().complete(&gen(), &Turn::default(), FinishReason::Stop, &usage(1, 0, 0))["stop_reason"],
+            Anthropic::default().complete(
+                &gen(),
+                &Turn::default(),
+                FinishReason::Stop,
+                &usage(1, 0, 0)
+            )["stop_reason"],
             "end_turn"
         );
         assert_eq!(

@@ -52,9 +52,12 @@ impl AgentOptions {
                 "tool_choice requires a tool call but no tools were given",
                 Some("tool_choice"),
             )),
-            ToolChoice::Named(n) if !self.tools.iter().any(|t| &t.name == n) => Err(
-                BadRequest::new(format!("tool_choice names an unknown tool {n:?}"), Some("tool_choice")),
-            ),
+            ToolChoice::Named(n) if !self.tools.iter().any(|t| &t.name == n) => {
+                Err(BadRequest::new(
+                    format!("tool_choice names an unknown tool {n:?}"),
+                    Some("tool_choice"),
+                ))
+            }
             _ => Ok(()),
         }
     }

@@ -60,7 +60,10 @@ mod tests {
     fn the_billing_nonce_and_configured_patterns_are_removed() {
         let n = Normalizer::new(&[r"request-id: [0-9a-f-]+\n".to_string()]).unwrap();
         let mut a = vec![
-            Message::new(Role::System, "cc_version=2.0.14; cc_entrypoint=cli; cch=9f2c1;\nYou are Claude Code."),
+            Message::new(
+                Role::System,
+                "cc_version=2.0.14; cc_entrypoint=cli; cch=9f2c1;\nYou are Claude Code.",
+            ),
             Message::new(Role::User, "request-id: 1234-ab\nhi"),
             Message::new(Role::Assistant, "cch=1"),
         ];
@@ -70,7 +73,10 @@ mod tests {
         assert_eq!(n.apply(&mut a), 2);
         n.apply(&mut b);
         assert_eq!(a, b);
-        assert_eq!(a[0].content, "cc_version=2.0.14; cc_entrypoint=cli; \nYou are Claude Code.");
+        assert_eq!(
+            a[0].content,
+            "cc_version=2.0.14; cc_entrypoint=cli; \nYou are Claude Code."
+        );
         assert_eq!(a[2].content, "cch=1", "assistant text is left alone");
 
         let mut c = vec![Message::new(Role::System, "cch=9f2c1;")];

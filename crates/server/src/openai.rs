@@ -218,7 +218,12 @@ fn common(c: Common) -> Result<Request, BadRequest> {
     let agent = AgentOptions {
         tools,
         tool_choice: tool_choice(c.tool_choice.as_ref())?,
-        think: think_mode(control, c.reasoning_effort.as_deref(), c.model.as_deref(), "reasoning_effort")?,
+        think: think_mode(
+            control,
+            c.reasoning_effort.as_deref(),
+            c.model.as_deref(),
+            "reasoning_effort",
+        )?,
         cache_breakpoints: vec![],
         cache_key: c.prompt_cache_key,
     };

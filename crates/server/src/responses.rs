@@ -233,7 +233,11 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
 }
 
 /// A string field of input item `i`.
-fn item_str<'a>(obj: &'a serde_json::Map<String, Value>, field: &str, i: usize) -> Result<&'a str, BadRequest> {
+fn item_str<'a>(
+    obj: &'a serde_json::Map<String, Value>,
+    field: &str,
+    i: usize,
+) -> Result<&'a str, BadRequest> {
     obj.get(field)
         .and_then(Value::as_str)
         .ok_or_else(|| bad(format!("input[{i}].{field} must be a string"), "input"))
@@ -416,7 +420,11 @@ fn call_item_id(c: &CallOut) -> String {
 /// The output items of a finished turn: the message, then the calls.
 fn output_items(msg_id: &str, item_status: &str, turn: &Turn) -> Vec<Value> {
     let mut items = vec![message_item(msg_id, item_status, Some(&turn.content))];
-    items.extend(turn.calls.iter().map(|c| call_item(c, "completed", &c.arguments)));
+    items.extend(
+        turn.calls
+            .iter()
+            .map(|c| call_item(c, "completed", &c.arguments)),
+    );
     items
 }
 
@@ -732,13 +740,22 @@ mod tests {
         assert_eq!(m.len(), 4);
         assert_eq!(m[1].content, "ok");
         assert_eq!(
-            m[1].tool_calls.iter().map(|c| c.id.as_str()).collect::<Vec<_>>(),
+            m[1].tool_calls
+                .iter()
+                .map(|c| c.id.as_str())
+                .collect::<Vec<_>>(),
             ["call_1", "call_2"]
         );
-        assert_eq!((m[2].role, m[2].tool_call_id.as_deref()), (Role::Tool, Some("call_1")));
+        assert_eq!(
+            (m[2].role, m[2].tool_call_id.as_deref()),
+            (Role::Tool, Some("call_1"))
+        );
         assert_eq!(m[3].content, "b");
         assert_eq!(p.agent.tools.len(), 1);
-        assert_eq!(p.agent.tool_choice, ds4_chat::ToolChoice::Named("ls".into()));
+        assert_eq!(
+            p.agent.tool_choice,
+            ds4_chat::ToolChoice::Named("ls".into())
+        );
         assert_eq!(p.agent.think, ds4_chat::ThinkMode::None);
         assert_eq!(p.agent.cache_key.as_deref(), Some("k"));
     }

@@ -37,7 +37,11 @@ pub fn parse_tool(raw: &RawValue, i: usize) -> Result<Option<ToolSpec>, String> 
     let parameters = match schema {
         None | Some(Value::Null) => r#"{"type":"object","properties":{}}"#.to_string(),
         Some(s @ Value::Object(_)) => s.to_string(),
-        Some(_) => return Err(format!("tools[{i}]: the parameter schema must be an object")),
+        Some(_) => {
+            return Err(format!(
+                "tools[{i}]: the parameter schema must be an object"
+            ))
+        }
     };
     Ok(Some(ToolSpec {
         name,
@@ -143,7 +147,9 @@ impl ToolMemory {
             m.by_age.insert(tick, id.clone());
         }
         while m.entries.len() > self.max_ids {
-            let Some((_, oldest)) = m.by_age.pop_first() else { break };
+            let Some((_, oldest)) = m.by_age.pop_first() else {
+                break;
+            };
             m.entries.remove(&oldest);
         }
     }
@@ -205,22 +211,33 @@ mod tests {
         let t = parse_tools(Some(&openai)).unwrap();
         assert_eq!(t[0].name, "get");
         assert_eq!(
-            t[0].parameters,
-            r#"{"type":"object","properties":{"b":{},"a":{}}}"#,
+            t[0].parameters, r#"{"type":"object","properties":{"b":{},"a":{}}}"#,
             "key order is kept"
         );
-        let anthropic = raw(r#"[{"name":"ls","input_schema":{"type":"object"}},{"type":"web_search_20250305","name":"web_search"}]"#);
+        let anthropic = raw(
+            r#"[{"name":"ls","input_schema":{"type":"object"}},{"type":"web_search_20250305","name":"web_search"}]"#,
+        );
         let t = parse_tools(Some(&anthropic)).unwrap();
-        assert_eq!((t.len(), t[0].name.as_str()), (1, "ls"), "hosted tools are skipped");
+        assert_eq!(
+            (t.len(), t[0].name.as_str()),
+            (1, "ls"),
+            "hosted tools are skipped"
+        );
         let responses = raw(r#"[{"type":"function","name":"f","parameters":null}]"#);
         let t = parse_tools(Some(&responses)).unwrap();
         assert_eq!(t[0].parameters, r#"{"type":"object","properties":{}}"#);
-        assert_eq!(t[0].raw, r#"{"type":"function","name":"f","parameters":null}"#);
+        assert_eq!(
+            t[0].raw,
+            r#"{"type":"function","name":"f","parameters":null}"#
+        );
 
         for (bad, msg) in [
             (r#"{}"#, "must be an array"),
             (r#"[1]"#, "must be an object"),
-            (r#"[{"type":"function","function":{}}]"#, "`name` is required"),
+            (
+                r#"[{"type":"function","function":{}}]"#,
+                "`name` is required",
+            ),
             (r#"[{"name":"a","input_schema":[]}]"#, "must be an object"),
             (r#"[{"name":"a"},{"name":"a"}]"#, "duplicate tool name"),
         ] {
@@ -257,20 +274,37 @@ mod tests {
             Message {
                 role: Role::Assistant,
                 tool_calls: vec![
-                    ToolCall { id: "a".into(), name: "f".into(), arguments: "{}".into() },
-                    ToolCall { id: "b".into(), name: "f".into(), arguments: "{}".into() },
+                    ToolCall {
+                        id: "a".into(),
+                        name: "f".into(),
+                        arguments: "{}".into(),
+                    },
+                    ToolCall {
+                        id: "b".into(),
+                        name: "f".into(),
+                        arguments: "{}".into(),
+                    },
                 ],
                 ..Default::default()
             },
             Message {
                 role: Role::Assistant,
-                tool_calls: vec![ToolCall { id: "zz".into(), ..Default::default() }],
+                tool_calls: vec![ToolCall {
+                    id: "zz".into(),
+                    ..Default::default()
+                }],
                 ..Default::default()
             },
         ];
         mem.remember(&["a".into(), "b".into()], "\nTURN1");
         let stats = mem.attach(&mut msgs);
-        assert_eq!(stats, ReplayStats { exact: 1, canonical: 1 });
+        assert_eq!(
+            stats,
+            ReplayStats {
+                exact: 1,
+                canonical: 1
+            }
+        );
         assert_eq!(msgs[1].tool_calls_raw.as_deref(), Some("\nTURN1"));
         assert_eq!(msgs[2].tool_calls_raw, None);
 

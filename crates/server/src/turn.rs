@@ -259,11 +259,18 @@ mod tests {
                     _ => None,
                 })
                 .collect();
-            assert_eq!((reasoning.as_str(), visible.as_str()), ("look first", "Listing."));
+            assert_eq!(
+                (reasoning.as_str(), visible.as_str()),
+                ("look first", "Listing.")
+            );
             assert_eq!(turn.reasoning, "look first");
             assert_eq!(turn.content, "Listing.");
             assert_eq!(turn.calls.len(), 1);
-            assert_eq!(streamed, vec![&turn.calls[0]], "streamed ids are the final ids");
+            assert_eq!(
+                streamed,
+                vec![&turn.calls[0]],
+                "streamed ids are the final ids"
+            );
             assert_eq!(turn.calls[0].arguments, r#"{"dir":"/tmp"}"#);
             assert!(turn.calls[0].id.starts_with("call_"));
             assert_eq!(turn.calls_raw, calls);
@@ -284,7 +291,12 @@ mod tests {
     fn a_forced_opening_is_parsed_before_the_output() {
         let forced = Dsml.forced_prefix(&ToolChoice::Named("ls".into())).unwrap();
         let rest = "<｜DSML｜parameter name=\"dir\" string=\"true\">/</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
-        let shaper = Shaper::new(ThinkMode::None, Some(Dsml.parser(&tools())), Some(&forced), "toolu_");
+        let shaper = Shaper::new(
+            ThinkMode::None,
+            Some(Dsml.parser(&tools())),
+            Some(&forced),
+            "toolu_",
+        );
         let (pieces, turn) = shape(shaper, rest, 5);
         assert!(pieces.iter().all(|p| matches!(p, Piece::Call(..))));
         assert_eq!(turn.calls[0].name, "ls");

@@ -13,6 +13,7 @@ mod qwen_xml;
 
 pub use dsml::Dsml;
 pub use glm::Glm;
+pub use hermes::Hermes;
 pub use qwen_xml::QwenXml;
 
 /// One tool offered by the request.
