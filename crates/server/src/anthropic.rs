@@ -30,7 +30,6 @@ use axum::Json;
 use ds4_chat::think::ThinkControl;
 use ds4_chat::{Message, Role, ToolCall, ToolChoice};
 use serde::Deserialize;
-use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 use crate::dialect::{
@@ -53,7 +52,7 @@ struct Body {
     top_k: Option<u64>,
     stop_sequences: Option<Vec<String>>,
     stream: Option<bool>,
-    tools: Option<Box<RawValue>>,
+    tools: Option<Value>,
     tool_choice: Option<Value>,
     thinking: Option<Value>,
     output_config: Option<OutputConfig>,
@@ -84,7 +83,7 @@ pub fn parse_count_tokens(body: &[u8]) -> Result<Request, BadRequest> {
 fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
     let b: Body = serde_json::from_slice(body)
         .map_err(|e| BadRequest::new(format!("invalid JSON request: {e}"), None))?;
-    let tools = crate::tooling::parse_tools(b.tools.as_deref())
+    let tools = crate::tooling::parse_tools(b.tools.as_ref())
         .map_err(|m| BadRequest::new(format!("tools: {m}"), Some("tools")))?;
     let control = match &b.thinking {
         Some(t) => think_control(t, "thinking")?,

@@ -10,7 +10,6 @@ use ds4_chat::think::ThinkControl;
 use ds4_chat::{Message, Role, ToolCall, ToolChoice};
 use ds4_engine::SamplerConfig;
 use serde::Deserialize;
-use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 use crate::dialect::{
@@ -38,7 +37,7 @@ struct Common {
     logprobs: Option<Value>,
     audio: Option<Value>,
     modalities: Option<Value>,
-    tools: Option<Box<RawValue>>,
+    tools: Option<Value>,
     tool_choice: Option<Value>,
     functions: Option<Value>,
     response_format: Option<Value>,
@@ -208,7 +207,7 @@ fn common(c: Common) -> Result<Request, BadRequest> {
     }
     sampling.seed = c.seed.unwrap_or_else(crate::dialect::clock_seed);
     let max_tokens = c.max_completion_tokens.or(c.max_tokens).map(|n| n as usize);
-    let tools = crate::tooling::parse_tools(c.tools.as_deref())
+    let tools = crate::tooling::parse_tools(c.tools.as_ref())
         .map_err(|m| BadRequest::new(m, Some("tools")))?;
     let control = match (&c.thinking, &c.think) {
         (Some(t), _) => think_control(t, "thinking")?,

@@ -30,7 +30,6 @@ use crate::openai::{default_sampling, error_body, tool_choice};
 use crate::turn::{CallOut, Piece, Turn};
 use crate::worker::{FinishReason, Usage};
 use ds4_chat::ToolCall;
-use serde_json::value::RawValue;
 
 /// The request fields we read. `store`, `metadata`, `user`,
 /// `parallel_tool_calls` and `truncation` are type-checked and otherwise ignored
@@ -56,7 +55,7 @@ struct Body {
     previous_response_id: Option<String>,
     conversation: Option<Value>,
     background: Option<bool>,
-    tools: Option<Box<RawValue>>,
+    tools: Option<Value>,
     tool_choice: Option<Value>,
     reasoning: Option<Reasoning>,
     text: Option<TextConfig>,
@@ -133,7 +132,7 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
             "background",
         ));
     }
-    let tools = crate::tooling::parse_tools(b.tools.as_deref()).map_err(|m| bad(m, "tools"))?;
+    let tools = crate::tooling::parse_tools(b.tools.as_ref()).map_err(|m| bad(m, "tools"))?;
     let effort = b.reasoning.and_then(|r| r.effort);
     // A reasoning effort is the Responses API's thinking control.
     let control = match effort.as_deref() {

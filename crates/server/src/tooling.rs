@@ -6,7 +6,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use ds4_chat::{Message, Role, ToolSpec};
-use serde_json::value::RawValue;
 use serde_json::Value;
 
 /// One tool definition, in any dialect's shape: OpenAI `{type, function: {name,
@@ -14,12 +13,11 @@ use serde_json::Value;
 /// Responses `{type: "function", name, description, parameters}`. Hosted tools
 /// (a `type` other than function/custom and no schema, e.g. web search) are not
 /// ours to run: `Ok(None)`.
-pub fn parse_tool(raw: &RawValue, i: usize) -> Result<Option<ToolSpec>, String> {
-    let v: Value = serde_json::from_str(raw.get()).map_err(|e| format!("tools[{i}]: {e}"))?;
+pub fn parse_tool(v: &Value, i: usize) -> Result<Option<ToolSpec>, String> {
     let Some(obj) = v.as_object() else {
         return Err(format!("tools[{i}] must be an object"));
     };
-    let def = obj.get("function").unwrap_or(&v);
+    let def = obj.get("function").unwrap_or(v);
     let schema = def.get("parameters").or_else(|| def.get("input_schema"));
     let ty = obj.get("type").and_then(Value::as_str);
     if schema.is_none() && ty.is_some_and(|t| t != "function" && t != "custom") {
@@ -47,17 +45,20 @@ pub fn parse_tool(raw: &RawValue, i: usize) -> Result<Option<ToolSpec>, String> 
         name,
         description,
         parameters,
-        raw: raw.get().to_string(),
+        // Compact, in the client's key order (serde_json keeps it).
+        raw: v.to_string(),
     }))
 }
 
 /// Parses a `tools` array; `None` and null mean no tools.
-pub fn parse_tools(raw: Option<&RawValue>) -> Result<Vec<ToolSpec>, String> {
-    let Some(raw) = raw else { return Ok(vec![]) };
-    let items: Option<Vec<&RawValue>> =
-        serde_json::from_str(raw.get()).map_err(|_| "tools must be an array".to_string())?;
+pub fn parse_tools(tools: Option<&Value>) -> Result<Vec<ToolSpec>, String> {
+    let items = match tools {
+        None | Some(Value::Null) => return Ok(vec![]),
+        Some(Value::Array(a)) => a,
+        Some(_) => return Err("tools must be an array".into()),
+    };
     let mut out = Vec::new();
-    for (i, item) in items.unwrap_or_default().into_iter().enumerate() {
+    for (i, item) in items.iter().enumerate() {
         if let Some(t) = parse_tool(item, i)? {
             if out.iter().any(|o: &ToolSpec| o.name == t.name) {
                 return Err(format!("tools[{i}]: duplicate tool name {:?}", t.name));
@@ -199,8 +200,8 @@ mod tests {
     use super::*;
     use ds4_chat::ToolCall;
 
-    fn raw(s: &str) -> Box<RawValue> {
-        RawValue::from_string(s.to_string()).unwrap()
+    fn raw(s: &str) -> Value {
+        serde_json::from_str(s).unwrap()
     }
 
     #[test]
@@ -223,7 +224,7 @@ mod tests {
             (1, "ls"),
             "hosted tools are skipped"
         );
-        let responses = raw(r#"[{"type":"function","name":"f","parameters":null}]"#);
+        let responses = raw(r#"[{"type": "function", "name":"f","parameters":null}]"#);
         let t = parse_tools(Some(&responses)).unwrap();
         assert_eq!(t[0].parameters, r#"{"type":"object","properties":{}}"#);
         assert_eq!(

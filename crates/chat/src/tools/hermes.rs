@@ -288,11 +288,43 @@ fn floor_char_boundary(text: &str, mut index: usize) -> usize {
     index
 }
 
+/// `body` with the brackets it leaves open closed, when it ends outside a string:
+/// small models often stop one `}` short before `</tool_call>`.
+fn close_open_brackets(body: &str) -> Option<String> {
+    let (mut stack, mut in_string, mut escaped) = (Vec::new(), false, false);
+    for c in body.chars() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if in_string => escaped = true,
+            '"' => in_string = !in_string,
+            '{' if !in_string => stack.push('}'),
+            '[' if !in_string => stack.push(']'),
+            '}' | ']' if !in_string => {
+                if stack.pop() != Some(c) {
+                    return None;
+                }
+            }
+            _ => {}
+        }
+    }
+    if in_string || stack.is_empty() {
+        return None;
+    }
+    let mut fixed = body.trim_end().to_string();
+    fixed.extend(stack.iter().rev());
+    Some(fixed)
+}
+
 /// The JSON between the tags: `{"name": ..., "arguments": {...}}`, arguments also
 /// accepted under `parameters` or as a string holding a JSON object.
 fn parse_call_body(body: &str) -> Result<ParsedCall, String> {
-    let value: Value =
-        serde_json::from_str(body).map_err(|e| format!("tool call is not JSON: {e}"))?;
+    let value: Value = serde_json::from_str(body)
+        .or_else(|e| {
+            close_open_brackets(body)
+                .and_then(|fixed| serde_json::from_str(&fixed).ok())
+                .ok_or(e)
+        })
+        .map_err(|e| format!("tool call is not JSON: {e}"))?;
     let object = value.as_object().ok_or("tool call is not a JSON object")?;
     let name = object
         .get("name")
@@ -411,6 +443,22 @@ mod tests {
         let turn = &whole.1;
         assert_eq!(format!("{}{}", turn.content, turn.calls_raw), text);
         whole
+    }
+
+    #[test]
+    fn a_call_one_bracket_short_is_closed_and_other_breakage_is_text() {
+        let (_, turn) = parse_whole(
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": [1, \"}\"]}\n</tool_call>",
+        );
+        assert_eq!(turn.calls, vec![parsed("f", r#"{"a":[1,"}"]}"#)]);
+        for broken in [
+            "{\"name\": \"f\", \"arguments\": {\"a\": \"open",
+            "{\"name\": \"f\", \"arguments\": {\"a\": 1]}",
+            "{\"name\": \"f\", \"arguments\": {\"a\":",
+        ] {
+            let (_, turn) = parse_whole(&format!("<tool_call>\n{broken}\n</tool_call>"));
+            assert!(turn.calls.is_empty() && turn.malformed.is_some(), "{broken}");
+        }
     }
 
     #[test]
@@ -549,13 +597,12 @@ mod tests {
 
     #[test]
     fn recorded_malformed_outputs_stay_text() {
-        // vLLM: a missing closing brace, and a call cut off by end of generation.
+        // vLLM: a missing closing brace (vLLM returns it as text; we close the
+        // bracket, as small models do this often), and a call cut off by the end
+        // of generation (text for both).
         let text = "<tool_call>\n{\"name\": \"final_answer\", \"arguments\": {\"trigger\": true}\n</tool_call>";
-        let (events, turn) = parse_every_way(text);
-        assert_eq!(events.first(), Some(&ToolEvent::Text(text.into())));
-        assert!(matches!(events.get(1), Some(ToolEvent::Malformed { .. })));
-        assert_eq!(turn.content, text);
-        assert!(turn.calls.is_empty() && turn.malformed.is_some());
+        let (_, turn) = parse_every_way(text);
+        assert_eq!(turn.calls, vec![parsed("final_answer", r#"{"trigger":true}"#)]);
 
         let text = "<tool_call>\n{\"name\": \"final_answer\", \"arguments\": {\"trigger\": true}}";
         let (events, turn) = parse_every_way(text);

@@ -1,0 +1,140 @@
+//! Tool calling over real loopback HTTP: a forced call comes back as a tool call
+//! with an unguessable id, and resending it — re-serialised with its keys in
+//! another order, as clients do — keeps the live prefix only with exact replay.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Map, Value};
+
+fn tools() -> Value {
+    json!([{ "type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather for a city",
+        "parameters": { "type": "object", "properties": { "city": { "type": "string" } }, "required": ["city"] },
+    }}])
+}
+
+fn user() -> Value {
+    json!({ "role": "user", "content": "What is the weather in Paris?" })
+}
+
+/// A JSON object text with its keys in reverse order and spaced out.
+fn reordered(args: &str) -> String {
+    let v: Map<String, Value> = serde_json::from_str(args).unwrap();
+    let rev: Map<String, Value> = v.into_iter().rev().collect();
+    serde_json::to_string_pretty(&rev).unwrap()
+}
+
+/// Turn 1 forces a call; turn 2 sends it back reordered with a tool result.
+/// Returns turn 1's prompt + completion tokens, and turn 2's reply.
+fn two_turns(port: u16) -> (u64, Reply) {
+    let r = post(
+        port,
+        "/v1/chat/completions",
+        &json!({ "messages": [user()], "tools": tools(), "temperature": 0, "max_tokens": 48,
+                 "tool_choice": { "type": "function", "function": { "name": "get_weather" } } }),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let call = &choice["message"]["tool_calls"][0];
+    let id = call["id"].as_str().unwrap();
+    assert!(id.starts_with("call_") && id.len() == 37, "{id}");
+    assert_eq!(call["function"]["name"], "get_weather");
+    let args = call["function"]["arguments"].as_str().unwrap();
+    assert!(serde_json::from_str::<Map<String, Value>>(args).is_ok(), "{args}");
+    let turn1 = v["usage"]["total_tokens"].as_u64().unwrap();
+
+    let mut echoed = call.clone();
+    echoed["function"]["arguments"] = json!(reordered(args));
+    let r = post(
+        port,
+        "/v1/chat/completions",
+        &json!({ "messages": [user(),
+                   { "role": "assistant", "content": null, "tool_calls": [echoed] },
+                   { "role": "tool", "tool_call_id": id, "content": "18 C and sunny" }],
+                 "tools": tools(), "temperature": 0, "max_tokens": 4 }),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    (turn1, r)
+}
+
+#[test]
+fn a_resent_tool_call_keeps_the_live_prefix_only_with_exact_replay() {
+    let srv = Server::start(&["--no-kv-disk"]);
+    let (turn1, r) = two_turns(srv.port);
+    let cache = r.header("x-ds4-cache").unwrap();
+    let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cache.starts_with("memory-"), "{cache}");
+    assert!(!cache.contains("diverge_byte"), "{cache}");
+    assert!(cached >= turn1, "reused {cached} of the {turn1} live tokens");
+    srv.stop();
+
+    let srv = Server::start(&["--no-kv-disk", "--disable-exact-tool-replay"]);
+    let (turn1, r) = two_turns(srv.port);
+    let cache = r.header("x-ds4-cache").unwrap();
+    let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached < turn1, "reused {cached} of {turn1}: {cache}");
+    // The miss is explained: where the canonical re-render left the live text.
+    assert!(cache.contains("candidate=memory"), "{cache}");
+    assert!(cache.contains("diverge_byte="), "{cache}");
+    assert!(cache.contains(&format!("offered={turn1}")), "{cache}");
+}
+
+#[test]
+fn anthropic_and_responses_stream_forced_calls_as_their_own_events() {
+    let srv = Server::start(&["--no-kv-disk"]);
+    let p = srv.port;
+    let r = post(
+        p,
+        "/v1/messages",
+        &json!({ "model": "m", "max_tokens": 48, "temperature": 0, "stream": true,
+                 "messages": [user()],
+                 "tools": [{ "name": "get_weather", "description": "Get the current weather for a city",
+                             "input_schema": tools()[0]["function"]["parameters"] }],
+                 "tool_choice": { "type": "tool", "name": "get_weather" } }),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let events = sse_events(&r.body);
+    let start = events
+        .iter()
+        .find(|(n, v)| n == "content_block_start" && v["content_block"]["type"] == "tool_use")
+        .unwrap_or_else(|| panic!("no tool_use block: {}", r.body));
+    let block = &start.1["content_block"];
+    assert!(block["id"].as_str().unwrap().starts_with("toolu_"));
+    assert_eq!(block["name"], "get_weather");
+    let json_delta = events
+        .iter()
+        .find(|(_, v)| v["delta"]["type"] == "input_json_delta")
+        .unwrap();
+    let input: Value =
+        serde_json::from_str(json_delta.1["delta"]["partial_json"].as_str().unwrap()).unwrap();
+    assert!(input.is_object());
+    let end = events.iter().find(|(n, _)| n == "message_delta").unwrap();
+    assert_eq!(end.1["delta"]["stop_reason"], "tool_use");
+
+    let r = post(
+        p,
+        "/v1/responses",
+        &json!({ "input": "What is the weather in Paris?", "temperature": 0, "max_output_tokens": 48,
+                 "tools": [{ "type": "function", "name": "get_weather",
+                             "parameters": tools()[0]["function"]["parameters"] }],
+                 "tool_choice": { "type": "function", "name": "get_weather" } }),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let call = v["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["type"] == "function_call")
+        .unwrap_or_else(|| panic!("no function_call item: {v}"));
+    assert_eq!(call["name"], "get_weather");
+    assert!(call["call_id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(v["status"], "completed");
+}
