@@ -166,7 +166,7 @@ impl ModelArgs {
     }
 }
 
-fn precision_name(p: Precision) -> &'static str {
+pub fn precision_name(p: Precision) -> &'static str {
     match p {
         Precision::Fast => "fast",
         Precision::Exact => "exact",

@@ -40,7 +40,8 @@ enum Command {
     Model(ModelCommand),
     /// Inspect and maintain the disk checkpoint store.
     Kv(kv::KvCommand),
-    /// Benchmarks (--prefix-reuse: cold prefill vs checkpoint write and restore).
+    /// Benchmarks: context sweep (default, CSV/SVG), --summary (like llama-bench),
+    /// --prefix-reuse (cold prefill vs checkpoint write and restore).
     Bench(bench::BenchArgs),
 }
 

@@ -48,12 +48,40 @@ fn every_subcommand_has_help() {
         (&["model", "--help"], "pull"),
         (&["model", "pull", "--help"], "smollm2"),
         (&["model", "ls", "--help"], "List"),
+        (&["bench", "--help"], "--prefix-reuse"),
     ] {
         let out = stdout(&run_ok(args));
         assert!(
             out.contains(must),
             "ds4 {args:?} --help lacks {must:?}:\n{out}"
         );
+    }
+}
+
+#[test]
+fn bench_help_lists_every_flag() {
+    let out = stdout(&run_ok(&["bench", "--help"]));
+    for flag in [
+        "--ctx-start",
+        "--ctx-max",
+        "--step-incr",
+        "--step-mul",
+        "--gen-tokens",
+        "--csv",
+        "--plot",
+        "--print-tokens",
+        "--summary",
+        "--pp",
+        "--tg",
+        "--repetitions",
+        "--json",
+        "--prefix-reuse",
+        "--prompt-tokens",
+        "--prompt-file",
+        "--kv-disk-dir",
+        "--threads",
+    ] {
+        assert!(out.contains(flag), "bench --help lacks {flag}:\n{out}");
     }
 }
 
@@ -402,6 +430,161 @@ fn bench_prefix_reuse_reports_the_ratio() {
         "bitwise identical",
     ] {
         assert!(out.contains(line), "{line:?} missing:\n{out}");
+    }
+}
+
+/// A short sweep: frontiers 64, 128, 192 with 4 generated tokens each, on one
+/// thread and 64-token prefill chunks (the same chunks however the sweep steps).
+fn short_sweep(extra: &[&str]) -> Output {
+    let args = [
+        &[
+            "bench",
+            "--threads",
+            "1",
+            "--prefill-chunk",
+            "64",
+            "--ctx-max",
+            "192",
+            "--gen-tokens",
+            "4",
+            "--print-tokens",
+        ][..],
+        extra,
+    ]
+    .concat();
+    run_ok(&args)
+}
+
+/// The `tokens at N: ...` lines of a sweep's stderr.
+fn generated_tokens(o: &Output) -> Vec<String> {
+    stderr(o)
+        .lines()
+        .filter(|l| l.starts_with("tokens at "))
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn bench_sweep_csv_plot_and_restore() {
+    let dir = temp_dir("sweep");
+    let csv_file = dir.join("sweep.csv");
+    let svg_file = dir.join("sweep.svg");
+    let stepped = ["--ctx-start", "64", "--step-incr", "64"];
+    let out = short_sweep(
+        &[
+            &stepped[..],
+            &[
+                "--csv",
+                csv_file.to_str().unwrap(),
+                "--plot",
+                svg_file.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
+    let csv = stdout(&out);
+    assert_eq!(std::fs::read_to_string(&csv_file).unwrap(), csv);
+    let mut lines = csv.lines();
+    assert_eq!(
+        lines.next(),
+        Some("ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes")
+    );
+    let rows: Vec<Vec<f64>> = lines
+        .map(|l| l.split(',').map(|v| v.parse().unwrap()).collect())
+        .collect();
+    assert_eq!(rows.len(), 3, "{csv}");
+    let mut previous = [0.0; 6];
+    for row in &rows {
+        assert_eq!(row.len(), 6, "{csv}");
+        let [ctx, prefill, prefill_tps, gen, gen_tps, kv] = row[..] else {
+            unreachable!()
+        };
+        assert!(ctx > previous[0], "ctx not increasing: {csv}");
+        assert_eq!(
+            prefill,
+            ctx - previous[0],
+            "prefill is the new interval: {csv}"
+        );
+        assert_eq!(gen, 4.0);
+        assert!(prefill_tps > 0.0 && gen_tps > 0.0, "{csv}");
+        assert!(kv > previous[5], "kvcache_bytes does not grow: {csv}");
+        previous = [ctx, prefill, prefill_tps, gen, gen_tps, kv];
+    }
+    assert_eq!(previous[0], 192.0);
+
+    let svg = std::fs::read_to_string(&svg_file).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"),
+        "{svg}"
+    );
+    assert_eq!(svg.matches("<polyline").count(), 2, "{svg}");
+
+    // Greedy generation is deterministic, and the restore after each frontier
+    // is exact: the stepped sweep generates at 192 what a single prefill to 192 does.
+    let tokens = generated_tokens(&out);
+    assert_eq!(tokens.len(), 3, "{}", stderr(&out));
+    assert_eq!(generated_tokens(&short_sweep(&stepped)), tokens);
+    let direct = generated_tokens(&short_sweep(&["--ctx-start", "192"]));
+    assert_eq!(direct.len(), 1);
+    assert_eq!(direct[0], tokens[2]);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bench_sweep_rejects_bad_ranges() {
+    for (args, message) in [
+        (
+            &["--ctx-max", "100000"][..],
+            "beyond the model's context of 8192",
+        ),
+        (
+            &["--ctx-start", "300", "--ctx-max", "200"],
+            "beyond --ctx-max",
+        ),
+        (&["--step-mul", "1"], "--step-mul must be above 1"),
+        (
+            &["--step-incr", "8", "--step-mul", "2"],
+            "cannot be used with",
+        ),
+        (&["--summary", "--csv", "x.csv"], "cannot be used with"),
+    ] {
+        let out = ds4().arg("bench").args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(stderr(&out).contains(message), "{args:?}: {}", stderr(&out));
+    }
+}
+
+#[test]
+fn bench_summary_json() {
+    let out = stdout(&run_ok(&[
+        "bench",
+        "--summary",
+        "--json",
+        "-p",
+        "32",
+        "-n",
+        "4",
+        "-r",
+        "2",
+        "--threads",
+        "1",
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(v["threads"], 1);
+    assert!(
+        v["kernel_tier"].is_string() && v["precision"] == "fast",
+        "{v}"
+    );
+    let results = v["results"].as_array().unwrap();
+    let tests: Vec<&str> = results
+        .iter()
+        .map(|r| r["test"].as_str().unwrap())
+        .collect();
+    assert_eq!(tests, ["pp32", "tg4"]);
+    for r in results {
+        assert_eq!(r["samples_ts"].as_array().unwrap().len(), 2, "{r}");
+        assert!(r["avg_ts"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["stddev_ts"].as_f64().unwrap() >= 0.0, "{r}");
     }
 }
 

@@ -1,58 +1,23 @@
 //! `ds4 bench --prefix-reuse`: what a checkpoint buys. Prefills a long prompt cold,
 //! writes it to the disk store, restores it into a fresh session, and compares.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
-use clap::Args;
 use ds4_engine::{Session, SessionOptions, ThreadPool};
 use ds4_kvstore::{ModelId, Payload, SaveOutcome, SaveReason, SaveRequest, Store, StoreConfig};
 
-use crate::ModelArgs;
+use super::{Bench, BenchArgs};
 
-/// The benchmark's default text: an original story (public domain / CC0).
-const BENCH_TEXT: &str = include_str!("../../../bench/carrow_point.txt");
-
-#[derive(Args, Clone, Debug)]
-pub struct BenchArgs {
-    #[command(flatten)]
-    pub model: ModelArgs,
-    /// Measure prefix reuse: cold prefill vs checkpoint write and restore.
-    #[arg(long, required = true)]
-    pub prefix_reuse: bool,
-    /// Prompt length in tokens (the text is repeated to reach it).
-    #[arg(long, default_value_t = 4096)]
-    pub prompt_tokens: usize,
-    /// Prompt text file (default: the story in bench/carrow_point.txt).
-    #[arg(long, value_name = "FILE")]
-    pub prompt_file: Option<PathBuf>,
-    /// Checkpoint directory (default: a fresh temporary directory, removed after).
-    #[arg(long, value_name = "DIR")]
-    pub kv_disk_dir: Option<PathBuf>,
-}
+/// The default text here: an original story (public domain / CC0).
+const STORY_TEXT: &str = include_str!("../../../../bench/carrow_point.txt");
 
 pub fn run(a: &BenchArgs) -> Result<()> {
-    ensure!(a.prefix_reuse, "choose a benchmark mode: --prefix-reuse");
-    let path = crate::models::resolve(a.model.model.as_deref())?;
-    let model = Arc::new(
-        ds4_engine::Model::load(&path).with_context(|| format!("loading {}", path.display()))?,
-    );
-    let text = match &a.prompt_file {
-        Some(f) => {
-            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?
-        }
-        None => BENCH_TEXT.to_string(),
-    };
-    let unit = model.tokenizer.encode(&text, false, true);
-    if unit.is_empty() {
-        bail!("the prompt text is empty");
-    }
-    let ids: Vec<u32> = unit.iter().copied().cycle().take(a.prompt_tokens).collect();
+    let bench = Bench::load(&a.model)?;
+    let ids = bench.tokens(a.prompt_file.as_deref(), STORY_TEXT, a.prompt_tokens)?;
     let n_ctx = a.model.ctx.max(ids.len() + 1);
-    let threads = crate::generate::thread_count(&a.model);
-    let pool = Arc::new(ThreadPool::new(threads));
+    let threads = bench.threads;
     let opts = SessionOptions {
         n_ctx,
         prefill_chunk: a.model.prefill_chunk,
@@ -65,13 +30,13 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             true,
         ),
     };
-    let result = measure(&model, &pool, &opts, &ids, &dir);
+    let result = measure(&bench.model, &bench.pool, &opts, &ids, &dir);
     if temporary {
         let _ = std::fs::remove_dir_all(&dir);
     }
     let m = result?;
     let n = ids.len() as f64;
-    println!("model            {}", path.display());
+    println!("model            {}", bench.path.display());
     println!("threads          {threads}");
     println!("prompt tokens    {}", ids.len());
     println!(
