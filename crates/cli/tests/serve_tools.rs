@@ -43,7 +43,10 @@ fn two_turns(port: u16) -> (u64, Reply) {
     assert!(id.starts_with("call_") && id.len() == 37, "{id}");
     assert_eq!(call["function"]["name"], "get_weather");
     let args = call["function"]["arguments"].as_str().unwrap();
-    assert!(serde_json::from_str::<Map<String, Value>>(args).is_ok(), "{args}");
+    assert!(
+        serde_json::from_str::<Map<String, Value>>(args).is_ok(),
+        "{args}"
+    );
     let turn1 = v["usage"]["total_tokens"].as_u64().unwrap();
 
     let mut echoed = call.clone();
@@ -70,7 +73,10 @@ fn a_resent_tool_call_keeps_the_live_prefix_only_with_exact_replay() {
         .unwrap();
     assert!(cache.starts_with("memory-"), "{cache}");
     assert!(!cache.contains("diverge_byte"), "{cache}");
-    assert!(cached >= turn1, "reused {cached} of the {turn1} live tokens");
+    assert!(
+        cached >= turn1,
+        "reused {cached} of the {turn1} live tokens"
+    );
     srv.stop();
 
     let srv = Server::start(&["--no-kv-disk", "--disable-exact-tool-replay"]);

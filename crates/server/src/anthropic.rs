@@ -385,12 +385,14 @@ fn assistant_message(content: Value, i: usize) -> Result<Message, BadRequest> {
                 name: text_field(&b, "name", i, j)?.to_string(),
                 arguments: b.get("input").map_or_else(|| "{}".into(), Value::to_string),
             }),
-            ty => return Err(BadRequest::new(
-                format!(
+            ty => {
+                return Err(BadRequest::new(
+                    format!(
                     "messages.{i}.content.{j}: {ty} blocks are not supported in assistant messages"
                 ),
-                Some("messages"),
-            )),
+                    Some("messages"),
+                ))
+            }
         }
     }
     Ok(m)

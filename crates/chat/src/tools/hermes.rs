@@ -457,7 +457,10 @@ mod tests {
             "{\"name\": \"f\", \"arguments\": {\"a\":",
         ] {
             let (_, turn) = parse_whole(&format!("<tool_call>\n{broken}\n</tool_call>"));
-            assert!(turn.calls.is_empty() && turn.malformed.is_some(), "{broken}");
+            assert!(
+                turn.calls.is_empty() && turn.malformed.is_some(),
+                "{broken}"
+            );
         }
     }
 
@@ -602,7 +605,10 @@ mod tests {
         // of generation (text for both).
         let text = "<tool_call>\n{\"name\": \"final_answer\", \"arguments\": {\"trigger\": true}\n</tool_call>";
         let (_, turn) = parse_every_way(text);
-        assert_eq!(turn.calls, vec![parsed("final_answer", r#"{"trigger":true}"#)]);
+        assert_eq!(
+            turn.calls,
+            vec![parsed("final_answer", r#"{"trigger":true}"#)]
+        );
 
         let text = "<tool_call>\n{\"name\": \"final_answer\", \"arguments\": {\"trigger\": true}}";
         let (events, turn) = parse_every_way(text);
