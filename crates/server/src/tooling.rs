@@ -190,7 +190,7 @@ impl ToolMemory {
         stats
     }
 
-    pub fn len(&self) -> usize {
+    pub fn id_count(&self) -> usize {
         self.inner.lock().map_or(0, |m| m.entries.len())
     }
 }
@@ -266,7 +266,7 @@ mod tests {
         assert_eq!(mem.lookup(&["a", "x"]), None, "an unknown id");
         // Lookups touch what they find: "b" is now the least recently used.
         mem.remember(&["d".into()], "\nTURN3");
-        assert_eq!(mem.len(), 3);
+        assert_eq!(mem.id_count(), 3);
         assert_eq!(mem.lookup(&["b"]), None);
         assert!(mem.lookup(&["c"]).is_some() && mem.lookup(&["d"]).is_some());
 
@@ -311,6 +311,6 @@ mod tests {
 
         let off = ToolMemory::new(0);
         off.remember(&["a".into()], "x");
-        assert_eq!(off.len(), 0);
+        assert_eq!(off.id_count(), 0);
     }
 }

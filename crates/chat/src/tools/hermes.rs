@@ -299,11 +299,7 @@ fn close_open_brackets(body: &str) -> Option<String> {
             '"' => in_string = !in_string,
             '{' if !in_string => stack.push('}'),
             '[' if !in_string => stack.push(']'),
-            '}' | ']' if !in_string => {
-                if stack.pop() != Some(c) {
-                    return None;
-                }
-            }
+            '}' | ']' if !in_string && stack.pop() != Some(c) => return None,
             _ => {}
         }
     }
