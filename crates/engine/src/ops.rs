@@ -2,15 +2,16 @@
 //! attention over a per-head K/V cache, SwiGLU, and projection through a weight
 //! matrix in either precision.
 
-use ds4_kernels::matmul::{matmul, matmul_f32, F32Dot, WeightMatrix};
+use ds4_kernels::matmul::{matmul, matmul_f32, matmul_fast, F32Dot, WeightMatrix};
 use ds4_kernels::pool::ThreadPool;
 use ds4_kernels::{ActivationFormat, QuantizedActivations};
 
 /// How matrix products treat activations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Precision {
-    /// Weights dequantized exactly, f32 activations, SIMD dot products with fused
-    /// multiply-adds: the exact result up to float summation order.
+    /// f32 activations, weights decoded in registers and dotted with fused
+    /// multiply-adds in one fixed order (`ds4_kernels::fast`, order F1) that batched
+    /// and single-token products share: the exact result up to float rounding order.
     #[default]
     Fast,
     /// Weights dequantized exactly and dotted with f32 activations in the scalar
@@ -106,14 +107,10 @@ pub fn project(
     outs: &mut [&mut [f32]],
 ) {
     match precision {
-        Precision::Exact | Precision::Fast => {
-            let dot = if precision == Precision::Exact {
-                F32Dot::Reference
-            } else {
-                F32Dot::Fused
-            };
+        Precision::Fast => matmul_fast(pool, ws, x, outs),
+        Precision::Exact => {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                matmul_f32(pool, w, x, out, dot);
+                matmul_f32(pool, w, x, out, F32Dot::Reference);
             }
         }
         Precision::Q8 => {

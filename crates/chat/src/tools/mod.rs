@@ -10,7 +10,6 @@ mod glm;
 mod hermes;
 mod qwen_xml;
 
-
 /// One tool offered by the request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ToolSpec {
@@ -60,7 +59,9 @@ pub enum ToolEvent {
     Call(ParsedCall),
     /// A call-looking block that did not parse; its text was (or is now) reported
     /// as `Text`. `reason` is for the trace.
-    Malformed { reason: String },
+    Malformed {
+        reason: String,
+    },
 }
 
 /// The authoritative result of parsing a whole generated turn.
