@@ -89,9 +89,14 @@ thread_local! {
     static PANEL_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Weight rows dequantized together by the batched [`matmul_fast`]: 16 rows of up
+/// Weight rows dequantized together by the batched [`matmul_fast`]: 18 rows of up
 /// to a few thousand elements stay in L2 while every token of the batch uses them.
-const PANEL: usize = 16;
+const PANEL: usize = 18;
+/// The register tile [`matmul_fast`] uses: 3 rows x 3 tokens (9 accumulators, 3
+/// weight vectors and one activation vector fit AVX2's 16 registers; 4 x 3 spills
+/// and runs at half the speed).
+const GEMM_ROWS: usize = 3;
+const GEMM_TOKENS: usize = 3;
 
 /// Most matrices one [`matmul_fast`] call takes.
 pub const MAX_FUSED: usize = 4;
@@ -118,7 +123,7 @@ fn dequant_fast(fmt: WeightFormat, row: &[u8], out: &mut [f32]) {
 /// One pool dispatch for all the matrices; each matrix's rows are split over the
 /// threads. One token: fused dequantize-and-dot kernels (Q4_1, Q8_0), four rows at
 /// a time, no intermediate buffer. More: each thread dequantizes panels of
-/// [`PANEL`] rows once and runs register tiles of 4 rows × 3 tokens over them.
+/// [`PANEL`] rows once and runs register tiles of 3 rows × 3 tokens over them.
 ///
 /// # Panics
 /// If more than [`MAX_FUSED`] matrices are given, their row lengths differ, or an
@@ -196,22 +201,22 @@ fn gemm_panels(
     panels: std::ops::Range<usize>,
     out: OutPtr,
 ) {
-    use crate::fast::{gemm_tile, TILE_ROWS, TILE_TOKENS};
+    use crate::fast::gemm_tile;
     let k = w.n_in;
     PANEL_SCRATCH.with_borrow_mut(|pack| {
         pack.resize(PANEL * k, 0.0);
-        let mut tile_out = [0.0f32; TILE_ROWS * TILE_TOKENS];
+        let mut tile_out = [0.0f32; GEMM_ROWS * GEMM_TOKENS];
         for p in panels {
             let r0 = p * PANEL;
             let nr = PANEL.min(w.n_out - r0);
             for i in 0..nr {
                 dequant_fast(w.fmt, w.row(r0 + i), &mut pack[i * k..(i + 1) * k]);
             }
-            for t0 in (0..n_tok).step_by(TILE_TOKENS) {
-                let nt = TILE_TOKENS.min(n_tok - t0);
+            for t0 in (0..n_tok).step_by(GEMM_TOKENS) {
+                let nt = GEMM_TOKENS.min(n_tok - t0);
                 let xs = &x[t0 * k..(t0 + nt) * k];
-                for g0 in (0..nr).step_by(TILE_ROWS) {
-                    let ng = TILE_ROWS.min(nr - g0);
+                for g0 in (0..nr).step_by(GEMM_ROWS) {
+                    let ng = GEMM_ROWS.min(nr - g0);
                     let o = &mut tile_out[..ng * nt];
                     gemm_tile(&pack[g0 * k..(g0 + ng) * k], xs, k, o);
                     for t in 0..nt {
@@ -400,3 +405,5 @@ mod tests {
         assert!(WeightMatrix::new(WeightFormat::Q4_1, 63, 2, &[0; 80]).is_none());
     }
 }
+const _: () =
+    assert!(GEMM_ROWS <= crate::fast::TILE_ROWS && GEMM_TOKENS <= crate::fast::TILE_TOKENS);

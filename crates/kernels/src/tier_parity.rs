@@ -889,23 +889,25 @@ fn bench_fast() {
         let xs = rng.vec_uniform(n_in * toks, -1.0, 1.0);
         let mut wf = vec![0.0; 16 * n_in];
         let mut o = [0.0; 12];
-        let gemm = best_ns(|| {
-            for p in w4.chunks_exact(16 * nb).take(8) {
-                (k.dequantize_row_q4_1_fma)(p, &mut wf);
-                for t0 in (0..toks).step_by(3) {
-                    let nt = 3.min(toks - t0);
-                    for g in 0..4 {
-                        (k.gemm_tile)(
-                            &wf[g * 4 * n_in..][..4 * n_in],
-                            &xs[t0 * n_in..(t0 + nt) * n_in],
-                            n_in,
-                            &mut o[..4 * nt],
-                        );
+        for (gr, gt) in [(4, 3), (4, 2), (3, 3)] {
+            let gemm = best_ns(|| {
+                for p in w4.chunks_exact(12 * nb).take(8) {
+                    (k.dequantize_row_q4_1_fma)(p, &mut wf[..12 * n_in]);
+                    for t0 in (0..toks).step_by(gt) {
+                        let nt = gt.min(toks - t0);
+                        for g in 0..12 / gr {
+                            (k.gemm_tile)(
+                                &wf[g * gr * n_in..][..gr * n_in],
+                                &xs[t0 * n_in..(t0 + nt) * n_in],
+                                n_in,
+                                &mut o[..gr * nt],
+                            );
+                        }
                     }
                 }
-            }
-        });
-        let macs = (8 * 16 * toks * n_in) as f64;
-        println!("  gemm tiles: {:.2} MAC/ns", macs / gemm);
+            });
+            let macs = (8 * 12 * toks * n_in) as f64;
+            println!("  gemm tiles {gr}x{gt}: {:.2} MAC/ns", macs / gemm);
+        }
     }
 }
