@@ -97,6 +97,8 @@ const PANEL: usize = 18;
 /// and runs at half the speed).
 const GEMM_ROWS: usize = 3;
 const GEMM_TOKENS: usize = 3;
+const _: () =
+    assert!(GEMM_ROWS <= crate::fast::TILE_ROWS && GEMM_TOKENS <= crate::fast::TILE_TOKENS);
 
 /// Most matrices one [`matmul_fast`] call takes.
 pub const MAX_FUSED: usize = 4;
@@ -405,5 +407,3 @@ mod tests {
         assert!(WeightMatrix::new(WeightFormat::Q4_1, 63, 2, &[0; 80]).is_none());
     }
 }
-const _: () =
-    assert!(GEMM_ROWS <= crate::fast::TILE_ROWS && GEMM_TOKENS <= crate::fast::TILE_TOKENS);
