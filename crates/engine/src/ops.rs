@@ -2,15 +2,16 @@
 //! attention over a per-head K/V cache, SwiGLU, and projection through a weight
 //! matrix in either precision.
 
-use ds4_kernels::matmul::{matmul, matmul_f32, F32Dot, WeightMatrix};
+use ds4_kernels::matmul::{matmul, matmul_f32, matmul_fast, F32Dot, WeightMatrix};
 use ds4_kernels::pool::ThreadPool;
 use ds4_kernels::{ActivationFormat, QuantizedActivations};
 
 /// How matrix products treat activations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Precision {
-    /// Weights dequantized exactly, f32 activations, SIMD dot products with fused
-    /// multiply-adds: the exact result up to float summation order.
+    /// f32 activations, weights decoded in registers and dotted with fused
+    /// multiply-adds in one fixed order (`ds4_kernels::fast`, order F1) that batched
+    /// and single-token products share: the exact result up to float rounding order.
     #[default]
     Fast,
     /// Weights dequantized exactly and dotted with f32 activations in the scalar
@@ -106,14 +107,10 @@ pub fn project(
     outs: &mut [&mut [f32]],
 ) {
     match precision {
-        Precision::Exact | Precision::Fast => {
-            let dot = if precision == Precision::Exact {
-                F32Dot::Reference
-            } else {
-                F32Dot::Fused
-            };
+        Precision::Fast => matmul_fast(pool, ws, x, outs),
+        Precision::Exact => {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                matmul_f32(pool, w, x, out, dot);
+                matmul_f32(pool, w, x, out, F32Dot::Reference);
             }
         }
         Precision::Q8 => {
@@ -139,6 +136,13 @@ pub fn project(
 const ATTN_TILE: usize = 64;
 /// Query tokens per work item.
 const ATTN_TOKEN_BLOCK: usize = 16;
+/// Positions per attention segment (a multiple of [`ATTN_TILE`]). A query's keys are
+/// cut at absolute multiples of this; each segment is its own online softmax and
+/// the segments' partial results are merged in order. Work items are (kv head,
+/// token block, segment), so a single decoded token's long history is spread over
+/// the threads, and a batch computes exactly the same partials and merges.
+const ATTN_SEG: usize = 256;
+const _: () = assert!(ATTN_SEG.is_multiple_of(ATTN_TILE));
 
 /// Causal attention for a batch of query rows at positions `pos0..pos0 + n_tokens`.
 ///
@@ -146,12 +150,13 @@ const ATTN_TOKEN_BLOCK: usize = 16;
 /// `[n_head_kv][n_ctx][head_dim]` and already hold every position up to the last
 /// query. Each query attends to positions `0..=its own`. Output like `q`.
 ///
-/// Work items are (kv head, block of query tokens); an item walks the cache in
-/// tiles of [`ATTN_TILE`] positions with an online softmax, so each K/V tile is
-/// read once for all the queries of the block and of the head group. Tiles sit at
-/// fixed absolute positions and each query's arithmetic is the same however the
-/// tokens are batched, so chunked prefill and token-by-token decoding agree bit for
-/// bit.
+/// Work items are (kv head, block of query tokens, segment of [`ATTN_SEG`]
+/// positions); an item walks its segment in tiles of [`ATTN_TILE`] positions with
+/// an online softmax, so each K/V tile is read once for all the queries of the
+/// block and of the head group. Each query's segments are then merged in segment
+/// order. Segments and tiles sit at fixed absolute positions and each query's
+/// arithmetic is the same however the tokens are batched, so chunked prefill and
+/// token-by-token decoding agree bit for bit.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     pool: &ThreadPool,
@@ -168,14 +173,20 @@ pub fn attention(
     let n_tokens = q.len() / (n_head * head_dim);
     let group = n_head / n_head_kv;
     let n_blocks = n_tokens.div_ceil(ATTN_TOKEN_BLOCK);
-    let item_len = ATTN_TOKEN_BLOCK * group * head_dim;
+    let n_seg = (pos0 + n_tokens).div_ceil(ATTN_SEG);
+    let bq = ATTN_TOKEN_BLOCK * group;
+    // Per item: each query's unnormalized output, then each query's (max, sum).
+    let item_len = bq * (head_dim + 2);
     let scale = 1.0 / (head_dim as f32).sqrt();
     ATTN_OUT.with_borrow_mut(|scratch| {
-        scratch.resize(n_head_kv * n_blocks * item_len, 0.0);
+        scratch.resize(n_head_kv * n_blocks * n_seg * item_len, 0.0);
         pool.for_each_chunk_mut(scratch, item_len, &|item, o| {
-            let (kvh, tb) = (item / n_blocks, item % n_blocks);
+            let seg = item % n_seg;
+            let (kvh, tb) = (item / n_seg / n_blocks, item / n_seg % n_blocks);
             let t0 = tb * ATTN_TOKEN_BLOCK;
             let t1 = (t0 + ATTN_TOKEN_BLOCK).min(n_tokens);
+            let p0 = seg * ATTN_SEG;
+            let p1 = (p0 + ATTN_SEG).min(pos0 + t1);
             let ks = &k_cache[kvh * n_ctx * head_dim..][..(pos0 + t1) * head_dim];
             let vs = &v_cache[kvh * n_ctx * head_dim..][..(pos0 + t1) * head_dim];
             attend_block(
@@ -185,6 +196,7 @@ pub fn attention(
                 (t0, t1),
                 (kvh, group, n_head, head_dim),
                 pos0,
+                (p0, p1),
                 scale,
                 o,
             );
@@ -192,17 +204,57 @@ pub fn attention(
         for t in 0..n_tokens {
             let (tb, ti) = (t / ATTN_TOKEN_BLOCK, t % ATTN_TOKEN_BLOCK);
             for kvh in 0..n_head_kv {
-                let src = ((kvh * n_blocks + tb) * ATTN_TOKEN_BLOCK + ti) * group * head_dim;
-                let dst = (t * n_head + kvh * group) * head_dim;
-                out[dst..dst + group * head_dim]
-                    .copy_from_slice(&scratch[src..src + group * head_dim]);
+                for g in 0..group {
+                    let qi = ti * group + g;
+                    let dst = &mut out[(t * n_head + kvh * group + g) * head_dim..][..head_dim];
+                    let items = &scratch[(kvh * n_blocks + tb) * n_seg * item_len..];
+                    merge_segments(items, item_len, n_seg, bq, qi, head_dim, dst);
+                }
             }
         }
     });
 }
 
-/// One work item: queries `t0..t1` of the heads of kv head `kvh`, written to `o` as
-/// `[token in block][head in group][head_dim]`.
+/// Merges query `qi`'s partial results over the `n_seg` items starting at `items`,
+/// in segment order, and normalizes: the softmax-weighted sum of V rows.
+fn merge_segments(
+    items: &[f32],
+    item_len: usize,
+    n_seg: usize,
+    bq: usize,
+    qi: usize,
+    head_dim: usize,
+    dst: &mut [f32],
+) {
+    let (mut m, mut l) = (f32::NEG_INFINITY, 0.0f32);
+    for seg in 0..n_seg {
+        let it = &items[seg * item_len..(seg + 1) * item_len];
+        let (ms, ls) = (it[bq * head_dim + 2 * qi], it[bq * head_dim + 2 * qi + 1]);
+        if ms == f32::NEG_INFINITY {
+            continue;
+        }
+        let acc = &it[qi * head_dim..(qi + 1) * head_dim];
+        if m == f32::NEG_INFINITY {
+            (m, l) = (ms, ls);
+            dst.copy_from_slice(acc);
+            continue;
+        }
+        let mn = m.max(ms);
+        let (a, b) = ((m - mn).exp(), (ms - mn).exp());
+        l = l * a + ls * b;
+        for (d, &s) in dst.iter_mut().zip(acc) {
+            *d = *d * a + s * b;
+        }
+        m = mn;
+    }
+    let inv = 1.0 / l;
+    dst.iter_mut().for_each(|a| *a *= inv);
+}
+
+/// One work item: queries `t0..t1` of the heads of kv head `kvh` over positions
+/// `p0..p1` (one segment). Writes `o` as `[token in block][head in group][head_dim]`
+/// unnormalized outputs followed by each query's `(max, sum)`; a query that sees
+/// no position of the segment gets `(-inf, 0)`.
 #[allow(clippy::too_many_arguments)]
 fn attend_block(
     q: &[f32],
@@ -211,17 +263,19 @@ fn attend_block(
     (t0, t1): (usize, usize),
     (kvh, group, n_head, head_dim): (usize, usize, usize, usize),
     pos0: usize,
+    (p0, p1): (usize, usize),
     scale: f32,
     o: &mut [f32],
 ) {
     let n_q = (t1 - t0) * group;
-    let n_pos = pos0 + t1;
+    let bq = o.len() / (head_dim + 2);
+    let (acc_all, ml) = o.split_at_mut(bq * head_dim);
     ATTN_STATE.with_borrow_mut(|(running, scores)| {
         running.clear();
         running.resize(n_q, (f32::NEG_INFINITY, 0.0));
         scores.resize(ATTN_TILE, 0.0);
-        o[..n_q * head_dim].fill(0.0);
-        for tile in (0..n_pos).step_by(ATTN_TILE) {
+        acc_all[..n_q * head_dim].fill(0.0);
+        for tile in (p0..p1).step_by(ATTN_TILE) {
             for (qi, (m, l)) in running.iter_mut().enumerate() {
                 let (t, g) = (t0 + qi / group, qi % group);
                 let limit = pos0 + t + 1;
@@ -239,7 +293,7 @@ fn attend_block(
                 }
                 let tile_max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let m_new = m.max(tile_max);
-                let acc = &mut o[qi * head_dim..(qi + 1) * head_dim];
+                let acc = &mut acc_all[qi * head_dim..(qi + 1) * head_dim];
                 if *m != f32::NEG_INFINITY {
                     let corr = (*m - m_new).exp();
                     *l *= corr;
@@ -258,11 +312,9 @@ fn attend_block(
                 *m = m_new;
             }
         }
-        for (qi, &(_, l)) in running.iter().enumerate() {
-            let inv = 1.0 / l;
-            o[qi * head_dim..(qi + 1) * head_dim]
-                .iter_mut()
-                .for_each(|a| *a *= inv);
+        for (qi, &(m, l)) in running.iter().enumerate() {
+            ml[2 * qi] = m;
+            ml[2 * qi + 1] = l;
         }
     });
 }
@@ -343,6 +395,80 @@ mod tests {
         let want = [t0h0, t0h1, t1h0, t1h1].concat();
         for (g, w) in out.iter().zip(want) {
             assert!((f64::from(*g) - w).abs() < 1e-5, "{out:?}");
+        }
+    }
+
+    /// Over several segments: close to an f64 softmax, and a batch of queries gives
+    /// bit for bit what the same queries give one at a time, on 1 or 2 threads.
+    #[test]
+    fn attention_over_segments_is_accurate_and_batch_invariant() {
+        let (n_ctx, hd, n_head, n_kv) = (700, 8, 4, 2);
+        let mut seed = 1u64;
+        let mut rnd = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+        };
+        let k: Vec<f32> = (0..n_kv * n_ctx * hd).map(|_| rnd()).collect();
+        let v: Vec<f32> = (0..n_kv * n_ctx * hd).map(|_| rnd()).collect();
+        let (pos0, n_tok) = (600, 40);
+        let q: Vec<f32> = (0..n_tok * n_head * hd).map(|_| rnd()).collect();
+        for threads in [1, 2] {
+            let pool = ThreadPool::new(threads);
+            let mut batch = vec![0f32; q.len()];
+            attention(&pool, &q, &k, &v, n_ctx, n_head, n_kv, hd, pos0, &mut batch);
+            let row = n_head * hd;
+            for t in 0..n_tok {
+                let mut one = vec![0f32; row];
+                let qt = &q[t * row..(t + 1) * row];
+                attention(
+                    &pool,
+                    qt,
+                    &k,
+                    &v,
+                    n_ctx,
+                    n_head,
+                    n_kv,
+                    hd,
+                    pos0 + t,
+                    &mut one,
+                );
+                let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&one),
+                    bits(&batch[t * row..(t + 1) * row]),
+                    "token {t}"
+                );
+                for h in 0..n_head {
+                    let kvh = h / (n_head / n_kv);
+                    let qv = &qt[h * hd..(h + 1) * hd];
+                    let n_pos = pos0 + t + 1;
+                    let sc: Vec<f64> = (0..n_pos)
+                        .map(|p| {
+                            let kr = &k[(kvh * n_ctx + p) * hd..][..hd];
+                            qv.iter()
+                                .zip(kr)
+                                .map(|(&a, &b)| a as f64 * b as f64)
+                                .sum::<f64>()
+                                / (hd as f64).sqrt()
+                        })
+                        .collect();
+                    let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
+                    let e: Vec<f64> = sc.iter().map(|s| (s - mx).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for d in 0..hd {
+                        let want: f64 = (0..n_pos)
+                            .map(|p| e[p] / z * v[(kvh * n_ctx + p) * hd + d] as f64)
+                            .sum();
+                        let got = batch[t * row + h * hd + d] as f64;
+                        assert!(
+                            (got - want).abs() < 1e-5,
+                            "t {t} h {h} d {d}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
         }
     }
 }

@@ -34,6 +34,7 @@
 pub mod bf16;
 pub mod f16;
 pub mod f32;
+pub mod fast;
 pub mod matmul;
 pub mod pool;
 pub mod q4_0;
@@ -86,6 +87,16 @@ pub(crate) struct Kernels {
     pub(crate) dequantize_row_q8_0: fn(&[BlockQ8_0], &mut [f32]),
     /// [`q8_0::quantize_row_ref`].
     pub(crate) quantize_row_q8_0: fn(&[f32], &mut [BlockQ8_0]),
+    /// [`fast::dot_fma1_ref`].
+    pub(crate) dot_fma1: fn(&[f32], &[f32]) -> f32,
+    /// [`fast::dequantize_row_q4_1_fma_ref`].
+    pub(crate) dequantize_row_q4_1_fma: fn(&[q4_1::BlockQ4_1], &mut [f32]),
+    /// [`fast::matvec_q4_1_ref`].
+    pub(crate) matvec_q4_1: fn(&[q4_1::BlockQ4_1], &[f32], &mut [f32]),
+    /// [`fast::matvec_q8_0_ref`].
+    pub(crate) matvec_q8_0: fn(&[BlockQ8_0], &[f32], &mut [f32]),
+    /// [`fast::gemm_tile_ref`].
+    pub(crate) gemm_tile: fn(&[f32], &[f32], usize, &mut [f32]),
 }
 
 /// The scalar references: the lowest tier, available everywhere.
@@ -100,6 +111,11 @@ pub(crate) static SCALAR: Kernels = Kernels {
     dequantize_row_q4_1: q4_1::dequantize_row,
     dequantize_row_q8_0: q8_0::dequantize_row,
     quantize_row_q8_0: q8_0::quantize_row_ref,
+    dot_fma1: fast::dot_fma1_ref,
+    dequantize_row_q4_1_fma: fast::dequantize_row_q4_1_fma_ref,
+    matvec_q4_1: fast::matvec_q4_1_ref,
+    matvec_q8_0: fast::matvec_q8_0_ref,
+    gemm_tile: fast::gemm_tile_ref,
 };
 
 /// Every tier name, lowest first: what `DS4_KERNELS` accepts.

@@ -714,3 +714,200 @@ fn bench_tiers() {
         );
     }
 }
+
+// ---- the fast f32 path (`crate::fast`, order F1): bit for bit on every tier ----
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
+/// Activations spanning several magnitudes, as hidden states do.
+fn activations(rng: &mut XorShift, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| rng.uniform(-1.0, 1.0) * 10f32.powi(rng.byte() as i32 % 6 - 3))
+        .collect()
+}
+
+#[test]
+fn dot_fma1_is_bit_identical_on_every_tier() {
+    let mut rng = XorShift::new(160);
+    for n in (0..=70).chain([127, 576, 1536, 4099]) {
+        let w = rng.vec_uniform(n, -1.0, 1.0);
+        let x = activations(&mut rng, n);
+        let want = crate::fast::dot_fma1_ref(&w, &x);
+        for k in available_tiers() {
+            let got = (k.dot_fma1)(&w, &x);
+            assert!(
+                same_bits(got, want),
+                "[{}] n = {n}: {got:e} vs {want:e}",
+                k.tier
+            );
+        }
+    }
+}
+
+#[test]
+fn q4_1_fma_dequantize_is_bit_identical_on_every_tier() {
+    let mut rng = XorShift::new(161);
+    for nb in BLOCK_COUNTS {
+        for how in [Scales::AnyFinite, Scales::Typical, Scales::Fixed(0x8000)] {
+            let x: Vec<BlockQ4_1> = random_blocks(&mut rng, nb, 2, how);
+            let mut want = vec![0.0; nb * QK8_0];
+            crate::fast::dequantize_row_q4_1_fma_ref(&x, &mut want);
+            for k in available_tiers() {
+                let mut got = vec![f32::NAN; nb * QK8_0];
+                (k.dequantize_row_q4_1_fma)(&x, &mut got);
+                assert_eq!(bits(&got), bits(&want), "[{}] {nb} blocks, {how:?}", k.tier);
+            }
+        }
+    }
+}
+
+/// The fused matvecs equal, row by row and bit for bit, the definition: the
+/// fast dequantization followed by `dot_fma1`; on every tier, for row counts
+/// that exercise the 4-row groups and the leftover rows.
+#[test]
+fn fused_matvecs_are_bit_identical_on_every_tier() {
+    let mut rng = XorShift::new(162);
+    for nb in [1, 2, 3, 18, 48] {
+        for n_rows in [1, 3, 4, 5, 8, 11] {
+            for how in [Scales::AnyFinite, Scales::Typical] {
+                let n = nb * QK8_0;
+                let x = activations(&mut rng, n);
+                let w4: Vec<BlockQ4_1> = random_blocks(&mut rng, nb * n_rows, 2, how);
+                let w8: Vec<BlockQ8_0> = random_blocks(&mut rng, nb * n_rows, 1, how);
+                let mut row = vec![0.0; n];
+                let want4: Vec<f32> = (0..n_rows)
+                    .map(|r| {
+                        crate::fast::dequantize_row_q4_1_fma_ref(&w4[r * nb..][..nb], &mut row);
+                        crate::fast::dot_fma1_ref(&row, &x)
+                    })
+                    .collect();
+                let want8: Vec<f32> = (0..n_rows)
+                    .map(|r| {
+                        q8_0::dequantize_row(&w8[r * nb..][..nb], &mut row);
+                        crate::fast::dot_fma1_ref(&row, &x)
+                    })
+                    .collect();
+                for k in available_tiers() {
+                    let mut got = vec![f32::NAN; n_rows];
+                    (k.matvec_q4_1)(&w4, &x, &mut got);
+                    assert_eq!(bits(&got), bits(&want4), "q4_1 [{}] {nb}x{n_rows}", k.tier);
+                    (k.matvec_q8_0)(&w8, &x, &mut got);
+                    assert_eq!(bits(&got), bits(&want8), "q8_0 [{}] {nb}x{n_rows}", k.tier);
+                }
+            }
+        }
+    }
+}
+
+/// Every tile shape gives each (row, token) exactly `dot_fma1` of the pair.
+#[test]
+fn gemm_tiles_are_bit_identical_on_every_tier() {
+    use crate::fast::{TILE_ROWS, TILE_TOKENS};
+    let mut rng = XorShift::new(163);
+    for k_len in [1, 8, 13, 64, 576, 1536] {
+        for rows in 1..=TILE_ROWS {
+            for toks in 1..=TILE_TOKENS {
+                let w = rng.vec_uniform(rows * k_len, -0.1, 0.1);
+                let x = activations(&mut rng, toks * k_len);
+                let want: Vec<f32> = (0..toks)
+                    .flat_map(|t| (0..rows).map(move |r| (t, r)))
+                    .map(|(t, r)| {
+                        crate::fast::dot_fma1_ref(
+                            &w[r * k_len..][..k_len],
+                            &x[t * k_len..][..k_len],
+                        )
+                    })
+                    .collect();
+                for k in available_tiers() {
+                    let mut got = vec![f32::NAN; rows * toks];
+                    (k.gemm_tile)(&w, &x, k_len, &mut got);
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "[{}] {rows}x{toks}, k {k_len}",
+                        k.tier
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Timings of the fast path's kernels against the dequantize-then-dot they
+/// replace: `cargo test --release -p ds4-kernels -- --ignored --nocapture bench_fast`.
+#[test]
+#[ignore]
+fn bench_fast() {
+    use std::hint::black_box;
+    use std::time::Instant;
+    fn best_ns(mut f: impl FnMut()) -> f64 {
+        f();
+        let start = Instant::now();
+        let mut best = f64::INFINITY;
+        while start.elapsed().as_secs_f64() < 0.5 {
+            let t = Instant::now();
+            f();
+            best = best.min(t.elapsed().as_nanos() as f64);
+        }
+        best
+    }
+    let mut rng = XorShift::new(171);
+    let k = available_tiers().last().copied().unwrap();
+    for (n_in, n_out) in [(576, 1536), (1536, 576), (576, 49152)] {
+        let nb = n_in / QK8_0;
+        let w4: Vec<BlockQ4_1> = random_blocks(&mut rng, nb * n_out, 2, Scales::Typical);
+        let w8: Vec<BlockQ8_0> = random_blocks(&mut rng, nb * n_out, 1, Scales::Typical);
+        let x = rng.vec_uniform(n_in, -1.0, 1.0);
+        let mut out = vec![0.0; n_out];
+        let mut row = vec![0.0; n_in];
+        let old4 = best_ns(|| {
+            for (r, o) in w4.chunks_exact(nb).zip(out.iter_mut()) {
+                (k.dequantize_row_q4_1)(r, &mut row);
+                *o = (k.vec_dot_f32_fused)(&row, &x);
+            }
+        });
+        let new4 = best_ns(|| (k.matvec_q4_1)(black_box(&w4), &x, &mut out));
+        let old8 = best_ns(|| {
+            for (r, o) in w8.chunks_exact(nb).zip(out.iter_mut()) {
+                (k.dequantize_row_q8_0)(r, &mut row);
+                *o = (k.vec_dot_f32_fused)(&row, &x);
+            }
+        });
+        let new8 = best_ns(|| (k.matvec_q8_0)(black_box(&w8), &x, &mut out));
+        println!(
+            "{n_in}x{n_out} [{}] q4_1: dequant+dot {:8.1} us, fused {:8.1} us | q8_0: {:8.1} us, fused {:8.1} us",
+            k.tier,
+            old4 / 1e3,
+            new4 / 1e3,
+            old8 / 1e3,
+            new8 / 1e3
+        );
+        // The batched product: 64 tokens through tiles, per token.
+        let toks = 64;
+        let xs = rng.vec_uniform(n_in * toks, -1.0, 1.0);
+        let mut wf = vec![0.0; 16 * n_in];
+        let mut o = [0.0; 12];
+        for (gr, gt) in [(4, 3), (4, 2), (3, 3)] {
+            let gemm = best_ns(|| {
+                for p in w4.chunks_exact(12 * nb).take(8) {
+                    (k.dequantize_row_q4_1_fma)(p, &mut wf[..12 * n_in]);
+                    for t0 in (0..toks).step_by(gt) {
+                        let nt = gt.min(toks - t0);
+                        for g in 0..12 / gr {
+                            (k.gemm_tile)(
+                                &wf[g * gr * n_in..][..gr * n_in],
+                                &xs[t0 * n_in..(t0 + nt) * n_in],
+                                n_in,
+                                &mut o[..gr * nt],
+                            );
+                        }
+                    }
+                }
+            });
+            let macs = (8 * 12 * toks * n_in) as f64;
+            println!("  gemm tiles {gr}x{gt}: {:.2} MAC/ns", macs / gemm);
+        }
+    }
+}

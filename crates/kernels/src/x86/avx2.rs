@@ -44,6 +44,11 @@ pub(super) static KERNELS: Kernels = Kernels {
     dequantize_row_q4_1,
     dequantize_row_q8_0,
     quantize_row_q8_0,
+    dot_fma1,
+    dequantize_row_q4_1_fma,
+    matvec_q4_1,
+    matvec_q8_0,
+    gemm_tile,
 };
 
 // Table entries: the length checks the scalar references make, then the call.
@@ -104,6 +109,61 @@ fn quantize_row_q8_0(x: &[f32], y: &mut [BlockQ8_0]) {
     assert_eq!(x.len(), y.len() * QK8_0, "q8_0 quantize_row_ref lengths");
     // SAFETY: see above.
     unsafe { quant_q8_0(x, y) }
+}
+
+fn dot_fma1(w: &[f32], x: &[f32]) -> f32 {
+    assert_eq!(w.len(), x.len(), "dot_fma1 lengths");
+    // SAFETY: see above.
+    unsafe { fma1(w, x) }
+}
+
+fn dequantize_row_q4_1_fma(x: &[BlockQ4_1], y: &mut [f32]) {
+    assert_eq!(y.len(), x.len() * QK4_1, "q4_1 dequantize lengths");
+    // SAFETY: see above.
+    unsafe { dequant_q4_1_fma(x, y) }
+}
+
+fn matvec_q4_1(w: &[BlockQ4_1], x: &[f32], out: &mut [f32]) {
+    let nb = crate::fast::check_matvec(w.len(), QK4_1, x.len(), out.len());
+    // SAFETY: see above; the shapes were checked, as `mv_q4_1` requires.
+    unsafe { mv_q4_1(w, nb, x, out) }
+}
+
+fn matvec_q8_0(w: &[BlockQ8_0], x: &[f32], out: &mut [f32]) {
+    let nb = crate::fast::check_matvec(w.len(), QK8_0, x.len(), out.len());
+    // SAFETY: see above; the shapes were checked, as `mv_q8_0` requires.
+    unsafe { mv_q8_0(w, nb, x, out) }
+}
+
+fn gemm_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
+    let (rows, toks) = crate::fast::check_tile(w.len(), x.len(), k, out.len());
+    if !k.is_multiple_of(8) {
+        return crate::fast::gemm_tile_ref(w, x, k, out);
+    }
+    macro_rules! dispatch {
+        ($(($r:literal, $t:literal)),*) => {
+            match (rows, toks) {
+                // SAFETY: see above; `check_tile` and the `k % 8` test establish
+                // the shapes `tile` requires.
+                $(($r, $t) => unsafe { tile::<$r, $t>(w, x, k, out) },)*
+                _ => unreachable!("check_tile bounds the tile"),
+            }
+        };
+    }
+    dispatch!(
+        (1, 1),
+        (1, 2),
+        (1, 3),
+        (2, 1),
+        (2, 2),
+        (2, 3),
+        (3, 1),
+        (3, 2),
+        (3, 3),
+        (4, 1),
+        (4, 2),
+        (4, 3)
+    );
 }
 
 // ---- loads and stores -------------------------------------------------------
@@ -562,5 +622,246 @@ fn quant_q8_0(x: &[f32], y: &mut [BlockQ8_0]) {
         let q = _mm256_permutevar8x32_epi32(q, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         // SAFETY: `b.qs` is 32 writable bytes; `storeu` has no alignment requirement.
         unsafe { _mm256_storeu_si256(b.qs.as_mut_ptr().cast(), q) };
+    }
+}
+
+// ---- the fast f32 path (order F1 of `crate::fast`) -----------------------------
+
+/// The lane reduction of [`crate::f32::reduce_lanes`] as a horizontal sum:
+/// `[a0+a4, a1+a5, a2+a6, a3+a7]`, then `[(a0+a4)+(a2+a6), (a1+a5)+(a3+a7)]`,
+/// then their sum: the same additions on the same operands.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_lanes(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+/// [`crate::fast::dot_fma1_ref`]: one 8-lane FMA accumulator, the tail into the
+/// stored lanes, the fixed reduction.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn fma1(w: &[f32], x: &[f32]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let wc = w.chunks_exact(8);
+    let xc = x.chunks_exact(8);
+    let (wt, xt) = (wc.remainder(), xc.remainder());
+    for (ws, xs) in wc.zip(xc) {
+        acc = _mm256_fmadd_ps(load_f32x8(ws), load_f32x8(xs), acc);
+    }
+    if wt.is_empty() {
+        return hsum_lanes(acc);
+    }
+    let mut lanes = [0.0f32; 8];
+    store_f32x8(&mut lanes, acc);
+    for ((a, &wv), &xv) in lanes.iter_mut().zip(wt).zip(xt) {
+        *a = wv.mul_add(xv, *a);
+    }
+    crate::f32::reduce_lanes(&lanes)
+}
+
+/// The 32 quants of a Q4_1 block as four vectors of i32 in element order
+/// (elements 0..8, 8..16, 16..24, 24..32).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4_quads(qs: &[u8; 16]) -> [__m256i; 4] {
+    let q = load_u8x16(qs);
+    let w0 = _mm256_cvtepu8_epi32(q);
+    let w1 = _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(q));
+    let low = _mm256_set1_epi32(0x0F);
+    [
+        _mm256_and_si256(w0, low),
+        _mm256_and_si256(w1, low),
+        _mm256_srli_epi32::<4>(w0),
+        _mm256_srli_epi32::<4>(w1),
+    ]
+}
+
+/// `(d, m)` of a Q4_1 block, each broadcast.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4_1_dm(b: &BlockQ4_1) -> (__m256, __m256) {
+    // SAFETY: the block's first 4 bytes are `d` and `m`; an unaligned 4-byte read.
+    let bits = unsafe { std::ptr::read_unaligned((b as *const BlockQ4_1).cast::<i32>()) };
+    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+    (
+        _mm256_broadcastss_ps(dm),
+        _mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
+    )
+}
+
+/// [`crate::fast::dequantize_row_q4_1_fma_ref`]: `fma(q, d, m)`.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dequant_q4_1_fma(x: &[BlockQ4_1], y: &mut [f32]) {
+    for (b, out) in x.iter().zip(y.chunks_exact_mut(QK4_1)) {
+        let (d, m) = q4_1_dm(b);
+        for (q, out) in q4_quads(&b.qs).into_iter().zip(out.chunks_exact_mut(8)) {
+            store_f32x8(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
+        }
+    }
+}
+
+/// The 32 activations of block `b`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn x_block(x: &[f32], b: usize) -> [__m256; 4] {
+    let x = &x[32 * b..32 * b + 32];
+    [
+        load_f32x8(&x[0..]),
+        load_f32x8(&x[8..]),
+        load_f32x8(&x[16..]),
+        load_f32x8(&x[24..]),
+    ]
+}
+
+/// Software prefetch for the fused matvecs. Their rows are short (a few cache
+/// lines) and read several at a time, interleaved, which the hardware stream
+/// prefetchers do not follow; so while a group of rows is processed, the group
+/// `groups_ahead` further on is requested, a slice of it per block step.
+#[derive(Clone, Copy)]
+struct Prefetch {
+    start: *const u8,
+    lines: usize,
+}
+
+impl Prefetch {
+    #[inline]
+    fn new<T>(group: &[T], groups_ahead: usize) -> Self {
+        let bytes = size_of_val(group);
+        Prefetch {
+            start: group
+                .as_ptr()
+                .cast::<u8>()
+                .wrapping_add(groups_ahead * bytes),
+            lines: bytes.div_ceil(64),
+        }
+    }
+
+    /// Requests this step's share (`1/nb`) of the group ahead.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn step(self, b: usize, nb: usize) {
+        let per = self.lines.div_ceil(nb);
+        for l in b * per..(b + 1) * per {
+            // A hint only: `_mm_prefetch` never faults, and `wrapping_add` forms
+            // the address without claiming it is in any allocation.
+            _mm_prefetch::<_MM_HINT_T0>(self.start.wrapping_add(64 * l).cast());
+        }
+    }
+}
+
+/// [`crate::fast::matvec_q4_1_ref`] for rows of `nb` blocks, four rows at a time
+/// (four independent accumulator chains), each row in order F1.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn mv_q4_1(w: &[BlockQ4_1], nb: usize, x: &[f32], out: &mut [f32]) {
+    let mut rows = w.chunks_exact(4 * nb);
+    let mut outs = out.chunks_exact_mut(4);
+    for (w4, o4) in rows.by_ref().zip(outs.by_ref()) {
+        rows_q4_1::<4>(w4, nb, x, o4);
+    }
+    for (w1, o1) in rows
+        .remainder()
+        .chunks_exact(nb)
+        .zip(outs.into_remainder().chunks_exact_mut(1))
+    {
+        rows_q4_1::<1>(w1, nb, x, o1);
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows_q4_1<const R: usize>(w: &[BlockQ4_1], nb: usize, x: &[f32], out: &mut [f32]) {
+    let rows: [&[BlockQ4_1]; R] = std::array::from_fn(|i| &w[i * nb..(i + 1) * nb]);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let ahead = Prefetch::new(w, 2);
+    for b in 0..nb {
+        ahead.step(b, nb);
+        let xv = x_block(x, b);
+        for (acc, row) in acc.iter_mut().zip(&rows) {
+            let blk = &row[b];
+            let (d, m) = q4_1_dm(blk);
+            for (q, &xv) in q4_quads(&blk.qs).into_iter().zip(&xv) {
+                let wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
+                *acc = _mm256_fmadd_ps(wv, xv, *acc);
+            }
+        }
+    }
+    for (o, acc) in out.iter_mut().zip(acc) {
+        *o = hsum_lanes(acc);
+    }
+}
+
+/// [`crate::fast::matvec_q8_0_ref`], four rows at a time.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn mv_q8_0(w: &[BlockQ8_0], nb: usize, x: &[f32], out: &mut [f32]) {
+    let mut rows = w.chunks_exact(4 * nb);
+    let mut outs = out.chunks_exact_mut(4);
+    for (w4, o4) in rows.by_ref().zip(outs.by_ref()) {
+        rows_q8_0::<4>(w4, nb, x, o4);
+    }
+    for (w1, o1) in rows
+        .remainder()
+        .chunks_exact(nb)
+        .zip(outs.into_remainder().chunks_exact_mut(1))
+    {
+        rows_q8_0::<1>(w1, nb, x, o1);
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows_q8_0<const R: usize>(w: &[BlockQ8_0], nb: usize, x: &[f32], out: &mut [f32]) {
+    let rows: [&[BlockQ8_0]; R] = std::array::from_fn(|i| &w[i * nb..(i + 1) * nb]);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let ahead = Prefetch::new(w, 2);
+    for b in 0..nb {
+        ahead.step(b, nb);
+        let xv = x_block(x, b);
+        for (acc, row) in acc.iter_mut().zip(&rows) {
+            let blk = &row[b];
+            let d = _mm256_broadcastss_ps(f16x2_to_f32(blk.d, [0; 2]));
+            for (k, &xv) in xv.iter().enumerate() {
+                let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_i8x8(&blk.qs, k)));
+                *acc = _mm256_fmadd_ps(_mm256_mul_ps(q, d), xv, *acc);
+            }
+        }
+    }
+    for (o, acc) in out.iter_mut().zip(acc) {
+        *o = hsum_lanes(acc);
+    }
+}
+
+/// [`crate::fast::gemm_tile_ref`] for `R` rows × `T` tokens held in `R·T`
+/// accumulators: each weight vector is loaded once for `T` tokens and each
+/// activation vector once for `R` rows.
+///
+/// # Safety
+/// `w.len() == R·k`, `x.len() == T·k`, `out.len() == R·T`, `k % 8 == 0`, and the
+/// CPU has AVX2 and FMA.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // r and t index two arrays at once
+unsafe fn tile<const R: usize, const T: usize>(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
+    debug_assert!(
+        w.len() == R * k && x.len() == T * k && out.len() == R * T && k.is_multiple_of(8)
+    );
+    let (wp, xp) = (w.as_ptr(), x.as_ptr());
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    for c in (0..k).step_by(8) {
+        // SAFETY: r < R and c + 8 <= k, so `r·k + c .. + 8` lies in `w` (length R·k).
+        let wv: [__m256; R] =
+            std::array::from_fn(|r| unsafe { _mm256_loadu_ps(wp.add(r * k + c)) });
+        for t in 0..T {
+            // SAFETY: t < T and c + 8 <= k, so the 8 floats lie in `x` (length T·k).
+            let xv = unsafe { _mm256_loadu_ps(xp.add(t * k + c)) };
+            for r in 0..R {
+                acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+            }
+        }
+    }
+    for t in 0..T {
+        for r in 0..R {
+            out[t * R + r] = hsum_lanes(acc[r][t]);
+        }
     }
 }
