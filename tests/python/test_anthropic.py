@@ -83,8 +83,9 @@ def test_unsupported_options_are_sdk_errors(ant):
             max_tokens=4,
             messages=MESSAGES,
             tools=[{"name": "f", "input_schema": {"type": "object"}}],
+            tool_choice={"type": "tool", "name": "g"},
         )
     assert e.value.status_code == 400
     assert e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == "invalid_request_error"
-    assert "tools" in e.value.body["error"]["message"]
+    assert "unknown tool" in e.value.body["error"]["message"]

@@ -104,7 +104,7 @@ fn messages_answer_stream_and_count_tokens() {
     assert!(k >= 7, "{names:?}");
     assert_eq!(
         names[..3],
-        ["message_start", "content_block_start", "ping"],
+        ["message_start", "ping", "content_block_start"],
         "{names:?}"
     );
     assert!(names[3..k - 3].iter().all(|n| *n == "content_block_delta"));
@@ -135,8 +135,9 @@ fn messages_answer_stream_and_count_tokens() {
     assert_eq!(start["usage"]["output_tokens"], 0);
     assert_eq!(start["usage"]["cache_read_input_tokens"], prompt_tokens);
     assert_eq!(total_input(&start["usage"]), prompt_tokens);
+    // Blocks open when their first piece is known (text, thinking or a tool call).
     assert_eq!(
-        events[1].1,
+        events[2].1,
         json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
     );
     let streamed: String = events[3..k - 3]
@@ -283,19 +284,17 @@ fn errors_have_anthropic_shape() {
         "/v1/messages",
         &msg_body(
             france(),
-            json!({ "tools": [{ "name": "f", "input_schema": { "type": "object" } }] }),
+            json!({ "tools": [{ "name": "f", "input_schema": { "type": "object" } }],
+                    "tool_choice": { "type": "tool", "name": "g" } }),
         ),
     )
-    .assert_error(400, bad, "tool use is not supported yet");
+    .assert_error(400, bad, "tool_choice names an unknown tool \"g\"");
     post(
         p,
         "/v1/messages",
-        &msg_body(
-            france(),
-            json!({ "thinking": { "type": "enabled", "budget_tokens": 1024 } }),
-        ),
+        &msg_body(france(), json!({ "thinking": { "type": "sometimes" } })),
     )
-    .assert_error(400, bad, "thinking is not supported yet");
+    .assert_error(400, bad, "thinking.type must be");
     post(
         p,
         "/v1/messages/count_tokens",

@@ -224,21 +224,22 @@ fn responses_errors_are_400s_in_openais_shape() {
             post(
                 p,
                 "/v1/responses",
-                &json!({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]}),
+                &json!({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}],
+                        "tool_choice": {"type": "function", "name": "g"}}),
             ),
             400,
-            Some("tools"),
-            "tools are not supported yet",
+            Some("tool_choice"),
+            "unknown tool",
         ),
         (
             post(
                 p,
                 "/v1/responses",
-                &json!({"input": [{"type": "function_call_output", "call_id": "c", "output": "ok"}]}),
+                &json!({"input": [{"type": "function_call_output", "output": "ok"}]}),
             ),
             400,
             Some("input"),
-            "function_call_output items are not supported yet",
+            "input[0].call_id must be a string",
         ),
         (
             post(p, "/v1/responses", &json!({"input": "word ".repeat(200)})),

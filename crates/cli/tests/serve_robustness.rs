@@ -214,10 +214,7 @@ fn dialects() -> Vec<Dialect> {
             path: "/v1/chat/completions",
             shape: Shape::OpenAi,
             refusals: vec![
-                with(
-                    &chat,
-                    json!({"messages": [{"role": "tool", "content": "x"}]}),
-                ),
+                with(&chat, json!({"messages": [{"role": "tool", "content": 5}]})),
                 with(
                     &chat,
                     json!({"messages": user(json!([{"type": "image_url", "image_url": {"url": "u"}}]))}),
@@ -230,7 +227,7 @@ fn dialects() -> Vec<Dialect> {
                 with(&chat, json!({"logit_bias": {"5": 1}})),
                 with(
                     &chat,
-                    json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+                    json!({"tools": [{"type": "function", "function": {"name": ""}}]}),
                 ),
                 with(&chat, json!({"functions": [{"name": "f"}]})),
                 with(
@@ -323,7 +320,7 @@ fn dialects() -> Vec<Dialect> {
                 ),
                 with(
                     &messages,
-                    json!({"messages": user(json!([{"type": "tool_result", "tool_use_id": "t"}]))}),
+                    json!({"messages": user(json!([{"type": "tool_result", "tool_use_id": 7}]))}),
                 ),
                 with(&messages, json!({"messages": user(json!([{"text": "x"}]))})),
                 with(&messages, json!({"messages": user(json!(5))})),
@@ -332,11 +329,11 @@ fn dialects() -> Vec<Dialect> {
                 with(&messages, json!({"stop_sequences": [""]})),
                 with(
                     &messages,
-                    json!({"thinking": {"type": "enabled", "budget_tokens": 1024}}),
+                    json!({"thinking": {"type": "sometimes", "budget_tokens": 1024}}),
                 ),
                 with(
                     &messages,
-                    json!({"tools": [{"name": "f", "input_schema": {}}]}),
+                    json!({"tools": [{"name": "f", "input_schema": []}]}),
                 ),
                 json!({"max_tokens": 1}),
             ],
@@ -378,7 +375,7 @@ fn dialects() -> Vec<Dialect> {
                     json!({"messages": user(json!([{"type": "document", "source": {}}]))}),
                 ),
                 with(&count, json!({"system": [5]})),
-                with(&count, json!({"tools": [{"name": "f"}]})),
+                with(&count, json!({"tools": [{"name": 5}]})),
                 with(&count, json!({"max_tokens": 0})),
                 json!({"system": "x"}),
             ],
@@ -415,7 +412,7 @@ fn dialects() -> Vec<Dialect> {
                 ),
                 with(
                     &responses,
-                    json!({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}),
+                    json!({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}),
                 ),
                 with(
                     &responses,
@@ -425,7 +422,7 @@ fn dialects() -> Vec<Dialect> {
                     &responses,
                     json!({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}),
                 ),
-                with(&responses, json!({"reasoning": {"effort": "high"}})),
+                with(&responses, json!({"reasoning": {"effort": "extreme"}})),
                 with(
                     &responses,
                     json!({"text": {"format": {"type": "json_schema"}}}),
@@ -435,7 +432,7 @@ fn dialects() -> Vec<Dialect> {
                 with(&responses, json!({"tool_choice": "required"})),
                 with(
                     &responses,
-                    json!({"tools": [{"type": "function", "name": "f"}]}),
+                    json!({"tools": [{"type": "function", "name": ""}]}),
                 ),
                 json!({"instructions": "x"}),
             ],
@@ -731,7 +728,12 @@ fn cases(d: &Dialect, rng: &mut Rng) -> Vec<Case> {
                 0
             }
         );
-        for r in ["\"wizard\"", "\"\"", "\"USER\"", "\"tool\""] {
+        // `tool` is a role of chat completions only (tool results).
+        let tool = d.path != "/v1/chat/completions";
+        for r in ["\"wizard\"", "\"\"", "\"USER\"", "\"tool\""]
+            .into_iter()
+            .filter(|r| tool || *r != "\"tool\"")
+        {
             add(
                 format!("role {r}"),
                 with_raw(&d.base, &role, r),

@@ -899,6 +899,42 @@ impl Store {
         Ok(out.into_iter().map(|(i, _, _)| i).collect())
     }
 
+    /// The extension sections of every valid checkpoint whose header has all of
+    /// `flags`, read without the text and payload. Only the header checksum and
+    /// the section framing are verified (the body checksum needs the whole file),
+    /// so callers must treat the bytes as hints. Unreadable files are skipped.
+    pub fn sections_with_flags(&self, flags: u32) -> Result<Vec<(PathBuf, Vec<Section>)>, KvError> {
+        let live = {
+            let mut st = self.lock();
+            self.scan(&mut st)?;
+            valid_entries(&st)
+        };
+        let mut out = Vec::new();
+        for (name, e) in live {
+            let h = &e.header;
+            if h.ext_flags & flags != flags || h.sections_bytes == 0 {
+                continue;
+            }
+            let path = self.dir.join(&name);
+            let Ok(file) = File::open(&path) else {
+                continue;
+            };
+            let Ok(len) = usize::try_from(h.sections_bytes) else {
+                continue;
+            };
+            let mut area = vec![0u8; len];
+            let offset = HEADER_LEN as u64 + h.text_bytes + h.payload_bytes;
+            match read_full_at(&file, &mut area, offset) {
+                Ok(n) if n == len => {}
+                _ => continue,
+            }
+            if let Ok(sections) = decode_sections(&area) {
+                out.push((path, sections));
+            }
+        }
+        Ok(out)
+    }
+
     /// [`entries_at`](Self::entries_at) the current time.
     pub fn entries(&self) -> Result<Vec<EntryInfo>, KvError> {
         self.entries_at(now_unix())

@@ -377,3 +377,30 @@ fn entries_and_clear() {
     assert_eq!(dir_names(&td.store_dir()), vec!["notes.txt"]);
     assert!(store.entries().unwrap().is_empty());
 }
+
+#[test]
+fn sections_are_read_without_the_payload() {
+    let td = TempDir::new("sections");
+    let store = Store::open(td.store_dir(), big_config()).unwrap();
+    let sections = vec![Section {
+        kind: 1,
+        bytes: b"tool map".to_vec(),
+    }];
+    let payload = vec![7u8; 50_000];
+    let mut with = Spec::new(b"with sections", &payload);
+    with.sections = &sections;
+    let with_path = saved_path(&save(&store, &with));
+    save(&store, &Spec::new(b"without sections", &payload));
+    let found = Store::open(td.store_dir(), big_config())
+        .unwrap()
+        .sections_with_flags(1)
+        .unwrap();
+    assert_eq!(found, vec![(with_path.clone(), sections)]);
+    // A damaged section area is skipped, not an error.
+    let mut bytes = fs::read(&with_path).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 0xff;
+    bytes.truncate(n - 1);
+    fs::write(&with_path, &bytes).unwrap();
+    assert!(store.sections_with_flags(1).unwrap().is_empty());
+}
