@@ -6,8 +6,10 @@ use clap::Args;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use ds4_kvstore::Store;
 use ds4_server::metrics::Metrics;
 use ds4_server::persist::Persist;
+use ds4_server::tooling::ToolMemory;
 use ds4_server::trace::Trace;
 use ds4_server::{router, ServerConfig, Worker};
 
@@ -71,7 +73,22 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         path,
     } = load(&a.model)?;
     let store = a.kv.open(Some(crate::models::ds4_home()?.join("kv")))?;
-    let persist = store.map(|s| Persist::new(s, &session));
+    // A second handle on the store: the HTTP side looks up tool-call ids in it.
+    let lookup = match &store {
+        Some(s) => Some(Store::open(s.dir(), s.config().clone())?),
+        None => None,
+    };
+    let max_ids = if a.disable_exact_tool_replay {
+        0
+    } else {
+        a.tool_memory_max_ids
+    };
+    let tool_memory = Arc::new(ToolMemory::new(max_ids, lookup));
+    let persist = store.map(|s| {
+        let mut p = Persist::new(s, &session);
+        p.tool_memory = Some(Arc::clone(&tool_memory));
+        p
+    });
     let metrics = Arc::new(Metrics::default());
     let trace = match &a.trace {
         Some(f) => Some(Arc::new(
@@ -90,12 +107,10 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         model_name: path
             .file_stem()
             .map_or_else(|| "ds4".into(), |s| s.to_string_lossy().into_owned()),
-        exact_tool_replay: !a.disable_exact_tool_replay,
-        tool_memory_max_ids: a.tool_memory_max_ids,
         normalize: (!a.no_normalize_prompts).then(|| a.normalize_regex.clone()),
         n_ctx,
     };
-    let app = router(cfg, worker.handle.clone(), model, metrics)
+    let app = router(cfg, worker.handle.clone(), model, metrics, tool_memory)
         .context("invalid --normalize-regex pattern")?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -25,9 +25,8 @@ fn reordered(args: &str) -> String {
     serde_json::to_string_pretty(&rev).unwrap()
 }
 
-/// Turn 1 forces a call; turn 2 sends it back reordered with a tool result.
-/// Returns turn 1's prompt + completion tokens, and turn 2's reply.
-fn two_turns(port: u16) -> (u64, Reply) {
+/// Turn 1: a forced call. Returns the call and turn 1's prompt + completion tokens.
+fn forced_call(port: u16) -> (Value, u64) {
     let r = post(
         port,
         "/v1/chat/completions",
@@ -47,8 +46,13 @@ fn two_turns(port: u16) -> (u64, Reply) {
         serde_json::from_str::<Map<String, Value>>(args).is_ok(),
         "{args}"
     );
-    let turn1 = v["usage"]["total_tokens"].as_u64().unwrap();
+    (call.clone(), v["usage"]["total_tokens"].as_u64().unwrap())
+}
 
+/// Turn 2: the call sent back re-serialised with its keys reordered, and a result.
+fn resend(port: u16, call: &Value) -> Reply {
+    let id = call["id"].as_str().unwrap();
+    let args = call["function"]["arguments"].as_str().unwrap();
     let mut echoed = call.clone();
     echoed["function"]["arguments"] = json!(reordered(args));
     let r = post(
@@ -60,7 +64,13 @@ fn two_turns(port: u16) -> (u64, Reply) {
                  "tools": tools(), "temperature": 0, "max_tokens": 4 }),
     );
     assert_eq!(r.status, 200, "{}", r.body);
-    (turn1, r)
+    r
+}
+
+/// Both turns on one server.
+fn two_turns(port: u16) -> (u64, Reply) {
+    let (call, turn1) = forced_call(port);
+    (turn1, resend(port, &call))
 }
 
 #[test]
@@ -143,4 +153,31 @@ fn anthropic_and_responses_stream_forced_calls_as_their_own_events() {
     assert_eq!(call["name"], "get_weather");
     assert!(call["call_id"].as_str().unwrap().starts_with("call_"));
     assert_eq!(v["status"], "completed");
+}
+
+#[test]
+fn exact_tool_text_survives_a_restart_with_the_checkpoint() {
+    let dir = temp_dir("tools-kv");
+    let kv = dir.join("kv");
+    let args = [
+        "--kv-disk-dir",
+        kv.to_str().unwrap(),
+        "--kv-cache-min-tokens",
+        "16",
+    ];
+    let srv = Server::start(&args);
+    let (call, turn1) = forced_call(srv.port);
+    // The shutdown checkpoint holds the tool-call turn and its id map.
+    srv.stop();
+    let srv = Server::start(&args);
+    let r = resend(srv.port, &call);
+    let cache = r.header("x-ds4-cache").unwrap();
+    let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cache.starts_with("disk-text"), "{cache}");
+    assert!(
+        cached >= turn1,
+        "reused {cached} of the {turn1} checkpointed tokens: {cache}"
+    );
 }

@@ -41,11 +41,6 @@ pub struct ServerConfig {
     pub default_max_tokens: usize,
     /// The id `/v1/models` lists and responses echo by default.
     pub model_name: String,
-    /// Render resent tool calls from the exact sampled text (`false`:
-    /// `--disable-exact-tool-replay`, always canonical).
-    pub exact_tool_replay: bool,
-    /// Bound of the exact-replay memory (`--tool-memory-max-ids`).
-    pub tool_memory_max_ids: usize,
     /// Extra normalisation patterns (`--normalize-regex`); `None` turns
     /// normalisation off (`--no-normalize-prompts`).
     pub normalize: Option<Vec<String>>,
@@ -61,8 +56,6 @@ impl Default for ServerConfig {
             max_body_bytes: 32 << 20,
             default_max_tokens: 512,
             model_name: "ds4".into(),
-            exact_tool_replay: true,
-            tool_memory_max_ids: 100_000,
             normalize: Some(vec![]),
             n_ctx: 8192,
         }
@@ -76,18 +69,19 @@ pub(crate) struct AppState {
     pub model: Arc<Model>,
     pub template: Option<Box<dyn Template>>,
     pub metrics: Arc<Metrics>,
-    pub tool_memory: ToolMemory,
+    pub tool_memory: Arc<ToolMemory>,
     normalizer: Normalizer,
     next_id: AtomicU64,
 }
 
-/// Builds the router over a running worker of `model`.
-/// Fails only on an invalid normalisation pattern.
+/// Builds the router over a running worker of `model`; `tool_memory` is shared
+/// with the worker's checkpoints. Fails only on an invalid normalisation pattern.
 pub fn router(
     cfg: ServerConfig,
     worker: WorkerHandle,
     model: Arc<Model>,
     metrics: Arc<Metrics>,
+    tool_memory: Arc<ToolMemory>,
 ) -> Result<Router, regex::Error> {
     let max_body = cfg.max_body_bytes;
     let template = model
@@ -98,11 +92,6 @@ pub fn router(
         Some(extra) => Normalizer::new(extra)?,
         None => Normalizer::off(),
     };
-    let tool_memory = ToolMemory::new(if cfg.exact_tool_replay {
-        cfg.tool_memory_max_ids
-    } else {
-        0
-    });
     let state = Arc::new(AppState {
         cfg,
         worker,

@@ -6,9 +6,14 @@
 use std::time::Instant;
 
 use ds4_engine::{EngineError, Session};
+use std::sync::Arc;
+
 use ds4_kvstore::{
     ModelId, Notice, Payload, SaveOutcome, SavePolicy, SaveReason, SaveRequest, Store,
+    EXT_TOOL_ID_MAP,
 };
+
+use crate::tooling::ToolMemory;
 
 /// Prints and clears the store's pending notices (one line each, on stderr) and
 /// returns how many were evictions.
@@ -37,6 +42,8 @@ pub struct Persist {
     evictions: u64,
     /// The file of the last checkpoint restored or saved, for the trace.
     pub last_file: Option<std::path::PathBuf>,
+    /// Exact tool-call text saved with checkpoints and reloaded on a hit.
+    pub tool_memory: Option<Arc<ToolMemory>>,
 }
 
 impl Persist {
@@ -52,6 +59,7 @@ impl Persist {
             saved_tokens: 0,
             evictions: 0,
             last_file: None,
+            tool_memory: None,
         }
     }
 
@@ -116,6 +124,13 @@ impl Persist {
         }
         self.continued_frontier = session.tokens().len();
         self.last_file = Some(cand.path.clone());
+        if let Some(m) = &self.tool_memory {
+            for s in &loaded.sections {
+                if s.kind == crate::tooling::SECTION_TOOL_IDS {
+                    m.load_section(&s.bytes, None);
+                }
+            }
+        }
         eprintln!(
             "kv cache hit: restored {} tokens ({} bytes of text) in {:.0} ms from {}",
             session.tokens().len(),
@@ -190,6 +205,12 @@ impl Persist {
         }
         let t = Instant::now();
         let text = session.model().tokenizer.decode(session.tokens(), true);
+        let sections: Vec<_> = self
+            .tool_memory
+            .as_ref()
+            .and_then(|m| m.section_for(&String::from_utf8_lossy(&text)))
+            .into_iter()
+            .collect();
         let mut write = |w: &mut dyn std::io::Write| {
             let mut w = std::io::BufWriter::with_capacity(1 << 20, w);
             session.save_payload(&mut w).map_err(std::io::Error::other)
@@ -204,8 +225,12 @@ impl Persist {
             tokens: n as u32,
             n_ctx: session.n_ctx() as u32,
             model: self.model,
-            ext_flags: 0,
-            sections: &[],
+            ext_flags: if sections.is_empty() {
+                0
+            } else {
+                EXT_TOOL_ID_MAP
+            },
+            sections: &sections,
         };
         match self.store.save(req) {
             Ok(SaveOutcome::Saved {

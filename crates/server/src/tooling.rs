@@ -2,11 +2,18 @@
 //! call ids, and the exact-replay memory that maps a call id to the text the model
 //! sampled, so resent history renders byte-identically to the live state.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use ds4_chat::{Message, Role, ToolSpec};
-use serde_json::Value;
+use ds4_kvstore::{Section, Store, EXT_TOOL_ID_MAP};
+use serde_json::{json, Value};
+
+/// Section kind of the tool-id map in a checkpoint (flag [`EXT_TOOL_ID_MAP`]).
+pub const SECTION_TOOL_IDS: u32 = 1;
+
+/// Turns of the memory a checkpoint save looks at, newest first.
+const SAVE_SCAN_TURNS: usize = 1024;
 
 /// One tool definition, in any dialect's shape: OpenAI `{type, function: {name,
 /// description, parameters}}`, Anthropic `{name, description, input_schema}` or
@@ -99,10 +106,15 @@ pub struct ReplayStats {
 
 /// Call id -> the exact text the model sampled for that call's turn (everything
 /// after the content), bounded by a count with least-recently-used eviction.
-/// Every id of a turn maps to the same shared text.
+/// Every id of a turn maps to the same shared text. The turns a checkpoint's text
+/// contains are saved with it (a section), and ids the memory does not know — after
+/// a restart — are looked up in the checkpoints' sections.
 pub struct ToolMemory {
     max_ids: usize,
     inner: Mutex<Lru>,
+    /// Where to look up unknown ids, and the store usage at the last scan (a
+    /// scan is repeated only when the store changed).
+    disk: Option<(Store, Mutex<Option<(usize, u64)>>)>,
 }
 
 #[derive(Default)]
@@ -125,10 +137,83 @@ impl Lru {
 }
 
 impl ToolMemory {
-    pub fn new(max_ids: usize) -> Self {
+    /// A memory of at most `max_ids` ids (0 disables exact replay), looking up
+    /// unknown ids in `disk`'s checkpoints.
+    pub fn new(max_ids: usize, disk: Option<Store>) -> Self {
         ToolMemory {
             max_ids,
             inner: Mutex::new(Lru::default()),
+            disk: disk.filter(|_| max_ids > 0).map(|s| (s, Mutex::new(None))),
+        }
+    }
+
+    /// The turns of the memory whose text occurs in `text` (a checkpoint's),
+    /// as the checkpoint section that carries them; `None` if there are none.
+    pub fn section_for(&self, text: &str) -> Option<Section> {
+        let m = self.inner.lock().ok()?;
+        let mut by_text: Vec<(Arc<str>, Vec<&str>)> = Vec::new();
+        for id in m.by_age.values().rev() {
+            if by_text.len() == SAVE_SCAN_TURNS {
+                break;
+            }
+            let Some((t, _)) = m.entries.get(id) else {
+                continue;
+            };
+            match by_text.iter().position(|(k, _)| Arc::ptr_eq(k, t)) {
+                Some(i) => by_text[i].1.push(id),
+                None => by_text.push((Arc::clone(t), vec![id])),
+            }
+        }
+        let turns: Vec<Value> = by_text
+            .iter()
+            .filter(|(t, _)| text.contains(&**t))
+            .map(|(t, ids)| json!({ "ids": ids, "text": &**t }))
+            .collect();
+        (!turns.is_empty()).then(|| Section {
+            kind: SECTION_TOOL_IDS,
+            bytes: Value::Array(turns).to_string().into_bytes(),
+        })
+    }
+
+    /// Remembers the turns of a checkpoint section (all of them, or only those
+    /// with an id in `wanted`). Malformed sections are ignored: they are hints.
+    pub fn load_section(&self, bytes: &[u8], wanted: Option<&HashSet<&str>>) {
+        let Ok(Value::Array(turns)) = serde_json::from_slice::<Value>(bytes) else {
+            return;
+        };
+        for turn in turns {
+            let (Some(ids), Some(text)) = (turn["ids"].as_array(), turn["text"].as_str()) else {
+                continue;
+            };
+            let ids: Vec<String> = ids
+                .iter()
+                .filter_map(|i| i.as_str().map(String::from))
+                .collect();
+            if wanted.is_none_or(|w| ids.iter().any(|i| w.contains(i.as_str()))) {
+                self.remember(&ids, text);
+            }
+        }
+    }
+
+    /// Looks up `unknown` ids in the checkpoints on disk (when the store changed
+    /// since the last fruitless scan).
+    fn load_from_disk(&self, unknown: &HashSet<&str>) {
+        let Some((store, last)) = &self.disk else {
+            return;
+        };
+        let usage = store.usage();
+        let Ok(mut last) = last.lock() else { return };
+        if *last == Some(usage) {
+            return;
+        }
+        *last = Some(usage);
+        let Ok(found) = store.sections_with_flags(EXT_TOOL_ID_MAP) else {
+            return;
+        };
+        for (_, sections) in found {
+            for s in sections.iter().filter(|s| s.kind == SECTION_TOOL_IDS) {
+                self.load_section(&s.bytes, Some(unknown));
+            }
         }
     }
 
@@ -173,6 +258,22 @@ impl ToolMemory {
     /// Sets `tool_calls_raw` on every history assistant turn whose calls are all
     /// remembered as one turn.
     pub fn attach(&self, messages: &mut [Message]) -> ReplayStats {
+        if self.disk.is_some() {
+            let unknown: HashSet<&str> = {
+                let Ok(m) = self.inner.lock() else {
+                    return ReplayStats::default();
+                };
+                messages
+                    .iter()
+                    .flat_map(|m| &m.tool_calls)
+                    .map(|c| c.id.as_str())
+                    .filter(|id| !m.entries.contains_key(*id))
+                    .collect()
+            };
+            if !unknown.is_empty() {
+                self.load_from_disk(&unknown);
+            }
+        }
         let mut stats = ReplayStats::default();
         for m in messages
             .iter_mut()
@@ -258,7 +359,7 @@ mod tests {
 
     #[test]
     fn memory_replays_whole_turns_and_evicts_the_least_recently_used() {
-        let mem = ToolMemory::new(3);
+        let mem = ToolMemory::new(3, None);
         mem.remember(&["a".into(), "b".into()], "\nTURN1");
         mem.remember(&["c".into()], "\nTURN2");
         assert_eq!(mem.lookup(&["a", "b"]).as_deref(), Some("\nTURN1"));
@@ -309,7 +410,21 @@ mod tests {
         assert_eq!(msgs[1].tool_calls_raw.as_deref(), Some("\nTURN1"));
         assert_eq!(msgs[2].tool_calls_raw, None);
 
-        let off = ToolMemory::new(0);
+        // The turns a checkpoint contains travel with it, and come back.
+        let section = mem.section_for("prefix\nTURN1<|im_end|>").unwrap();
+        assert_eq!(section.kind, SECTION_TOOL_IDS);
+        assert!(mem.section_for("no turn here").is_none());
+        let fresh = ToolMemory::new(10, None);
+        let wanted: HashSet<&str> = ["zz"].into();
+        fresh.load_section(&section.bytes, Some(&wanted));
+        assert_eq!(fresh.id_count(), 0, "only wanted ids are loaded");
+        fresh.load_section(&section.bytes, None);
+        assert_eq!(fresh.lookup(&["a", "b"]).as_deref(), Some("\nTURN1"));
+        fresh.load_section(b"{not json", None);
+        fresh.load_section(br#"[{"ids":"x"}]"#, None);
+        assert_eq!(fresh.id_count(), 2);
+
+        let off = ToolMemory::new(0, None);
         off.remember(&["a".into()], "x");
         assert_eq!(off.id_count(), 0);
     }
