@@ -112,9 +112,14 @@ pub struct ReplayStats {
 pub struct ToolMemory {
     max_ids: usize,
     inner: Mutex<Lru>,
-    /// Where to look up unknown ids, and the store usage at the last scan (a
-    /// scan is repeated only when the store changed).
-    disk: Option<(Store, Mutex<Option<(usize, u64)>>)>,
+    disk: Option<DiskLookup>,
+}
+
+/// Where unknown ids are looked up, and the store usage (files, bytes) at the
+/// last scan: a scan is repeated only when the store changed.
+struct DiskLookup {
+    store: Store,
+    scanned_at: Mutex<Option<(usize, u64)>>,
 }
 
 #[derive(Default)]
