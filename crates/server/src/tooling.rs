@@ -148,7 +148,10 @@ impl ToolMemory {
         ToolMemory {
             max_ids,
             inner: Mutex::new(Lru::default()),
-            disk: disk.filter(|_| max_ids > 0).map(|s| (s, Mutex::new(None))),
+            disk: disk.filter(|_| max_ids > 0).map(|store| DiskLookup {
+                store,
+                scanned_at: Mutex::new(None),
+            }),
         }
     }
 
@@ -203,11 +206,13 @@ impl ToolMemory {
     /// Looks up `unknown` ids in the checkpoints on disk (when the store changed
     /// since the last fruitless scan).
     fn load_from_disk(&self, unknown: &HashSet<&str>) {
-        let Some((store, last)) = &self.disk else {
+        let Some(DiskLookup { store, scanned_at }) = &self.disk else {
             return;
         };
         let usage = store.usage();
-        let Ok(mut last) = last.lock() else { return };
+        let Ok(mut last) = scanned_at.lock() else {
+            return;
+        };
         if *last == Some(usage) {
             return;
         }
