@@ -127,7 +127,7 @@ impl Persist {
         if let Some(m) = &self.tool_memory {
             for s in &loaded.sections {
                 if s.kind == crate::tooling::SECTION_TOOL_IDS {
-                    m.load_section(&s.bytes, None);
+                    m.load_section(&s.bytes);
                 }
             }
         }

@@ -2,7 +2,7 @@
 //! call ids, and the exact-replay memory that maps a call id to the text the model
 //! sampled, so resent history renders byte-identically to the live state.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use ds4_chat::{Message, Role, ToolSpec};
@@ -183,9 +183,9 @@ impl ToolMemory {
         })
     }
 
-    /// Remembers the turns of a checkpoint section (all of them, or only those
-    /// with an id in `wanted`). Malformed sections are ignored: they are hints.
-    pub fn load_section(&self, bytes: &[u8], wanted: Option<&HashSet<&str>>) {
+    /// Remembers the turns of a checkpoint section. Malformed sections are
+    /// ignored: they are hints.
+    pub fn load_section(&self, bytes: &[u8]) {
         let Ok(Value::Array(turns)) = serde_json::from_slice::<Value>(bytes) else {
             return;
         };
@@ -197,15 +197,14 @@ impl ToolMemory {
                 .iter()
                 .filter_map(|i| i.as_str().map(String::from))
                 .collect();
-            if wanted.is_none_or(|w| ids.iter().any(|i| w.contains(i.as_str()))) {
-                self.remember(&ids, text);
-            }
+            self.remember(&ids, text);
         }
     }
 
-    /// Looks up `unknown` ids in the checkpoints on disk (when the store changed
-    /// since the last fruitless scan).
-    fn load_from_disk(&self, unknown: &HashSet<&str>) {
+    /// Loads the turns of every checkpoint on disk, when the store changed since
+    /// the last scan (a scan loads them all, so an unchanged store has nothing
+    /// new; the memory's bound still holds).
+    fn load_from_disk(&self) {
         let Some(DiskLookup { store, scanned_at }) = &self.disk else {
             return;
         };
@@ -222,7 +221,7 @@ impl ToolMemory {
         };
         for (_, sections) in found {
             for s in sections.iter().filter(|s| s.kind == SECTION_TOOL_IDS) {
-                self.load_section(&s.bytes, Some(unknown));
+                self.load_section(&s.bytes);
             }
         }
     }
@@ -269,19 +268,14 @@ impl ToolMemory {
     /// remembered as one turn.
     pub fn attach(&self, messages: &mut [Message]) -> ReplayStats {
         if self.disk.is_some() {
-            let unknown: HashSet<&str> = {
-                let Ok(m) = self.inner.lock() else {
-                    return ReplayStats::default();
-                };
+            let any_unknown = self.inner.lock().is_ok_and(|m| {
                 messages
                     .iter()
                     .flat_map(|m| &m.tool_calls)
-                    .map(|c| c.id.as_str())
-                    .filter(|id| !m.entries.contains_key(*id))
-                    .collect()
-            };
-            if !unknown.is_empty() {
-                self.load_from_disk(&unknown);
+                    .any(|c| !m.entries.contains_key(&c.id))
+            });
+            if any_unknown {
+                self.load_from_disk();
             }
         }
         let mut stats = ReplayStats::default();
@@ -425,13 +419,10 @@ mod tests {
         assert_eq!(section.kind, SECTION_TOOL_IDS);
         assert!(mem.section_for("no turn here").is_none());
         let fresh = ToolMemory::new(10, None);
-        let wanted: HashSet<&str> = ["zz"].into();
-        fresh.load_section(&section.bytes, Some(&wanted));
-        assert_eq!(fresh.id_count(), 0, "only wanted ids are loaded");
-        fresh.load_section(&section.bytes, None);
+        fresh.load_section(&section.bytes);
         assert_eq!(fresh.lookup(&["a", "b"]).as_deref(), Some("\nTURN1"));
-        fresh.load_section(b"{not json", None);
-        fresh.load_section(br#"[{"ids":"x"}]"#, None);
+        fresh.load_section(b"{not json");
+        fresh.load_section(br#"[{"ids":"x"}]"#);
         assert_eq!(fresh.id_count(), 2);
 
         let off = ToolMemory::new(0, None);
