@@ -64,6 +64,11 @@ pub struct ServeArgs {
     /// rendering (repeatable).
     #[arg(long, value_name = "REGEX", conflicts_with = "no_normalize_prompts")]
     pub normalize_regex: Vec<String>,
+    /// Context of the side slot that serves short requests sharing nothing with
+    /// the live conversation (title generation, quota checks), so they do not
+    /// evict it; 0 disables the side slot.
+    #[arg(long, default_value_t = 4096, value_name = "TOKENS")]
+    pub side_ctx: usize,
 }
 
 pub fn run(a: &ServeArgs) -> Result<()> {
@@ -98,7 +103,14 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         None => None,
     };
     let n_ctx = session.n_ctx();
-    let worker = Worker::start(session, persist, a.queue_max, Arc::clone(&metrics), trace);
+    let worker = Worker::start(
+        session,
+        persist,
+        a.side_ctx,
+        a.queue_max,
+        Arc::clone(&metrics),
+        trace,
+    );
     let cfg = ServerConfig {
         api_key: a.api_key.clone(),
         cors: a.cors,

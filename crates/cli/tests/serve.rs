@@ -519,3 +519,56 @@ fn a_failure_after_the_stream_started_is_the_dialects_error_event() {
         "{v}"
     );
 }
+
+/// Turn 1 of a conversation, an unrelated short request, then turn 2: returns
+/// turn 1's total tokens and turn 2's reply.
+fn conversation_around_a_side_request(port: u16) -> (u64, Reply) {
+    let system = "You are a careful assistant for a lighthouse keeper. ".repeat(8);
+    let q1 = json!([{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]);
+    let r1 = post(
+        port,
+        "/v1/chat/completions",
+        &json!({"messages": q1, "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(r1.status, 200, "{}", r1.body);
+    let v1 = r1.json();
+    let side = post(
+        port,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "system", "content": "Write a 3-word title."},
+                             {"role": "user", "content": "quota"}],
+                "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(side.status, 200, "{}", side.body);
+    let a1 = v1["choices"][0]["message"]["content"].as_str().unwrap();
+    let q2 = json!([{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."},
+                    {"role": "assistant", "content": a1}, {"role": "user", "content": "Another one."}]);
+    let r2 = post(
+        port,
+        "/v1/chat/completions",
+        &json!({"messages": q2, "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(r2.status, 200, "{}", r2.body);
+    (v1["usage"]["total_tokens"].as_u64().unwrap(), r2)
+}
+
+#[test]
+fn a_short_unrelated_request_does_not_evict_the_live_conversation() {
+    let srv = Server::start(&["--no-kv-disk"]);
+    let (turn1, r2) = conversation_around_a_side_request(srv.port);
+    let cache = r2.header("x-ds4-cache").unwrap();
+    let cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cache.starts_with("memory-"), "{cache}");
+    assert!(cached >= turn1 - 1, "reused {cached} of {turn1}: {cache}");
+    srv.stop();
+
+    // Without the side slot the side request takes the only session.
+    let srv = Server::start(&["--no-kv-disk", "--side-ctx", "0"]);
+    let (turn1, r2) = conversation_around_a_side_request(srv.port);
+    let cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached < turn1 / 2, "reused {cached} of {turn1}");
+}

@@ -36,6 +36,7 @@ impl Default for SessionOptions {
 pub struct Session {
     model: Arc<Model>,
     pool: Arc<ThreadPool>,
+    opts: SessionOptions,
     precision: Precision,
     state: LlamaState,
     scratch: Scratch,
@@ -55,9 +56,20 @@ impl Session {
             has_logits: false,
             tokens: Vec::with_capacity(n_ctx),
             precision: opts.precision,
+            opts: opts.clone(),
             model,
             pool,
         }
+    }
+
+    /// A fresh session on the same model, threads and options with a context of
+    /// `n_ctx` tokens: a second slot.
+    pub fn sibling(&self, n_ctx: usize) -> Session {
+        let opts = SessionOptions {
+            n_ctx,
+            ..self.opts.clone()
+        };
+        Session::new(Arc::clone(&self.model), Arc::clone(&self.pool), &opts)
     }
 
     pub fn model(&self) -> &Arc<Model> {

@@ -363,6 +363,7 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
         max_tokens: p.max_tokens.unwrap_or(st.cfg.default_max_tokens),
         stop: p.stop.clone(),
         replay: r.replay,
+        cache_key: p.agent.cache_key.clone(),
         events: tx,
     };
     match st.worker.submit(job) {

@@ -4,6 +4,7 @@
 //! session's rendered text (`memory-text`), a disk checkpoint (`disk-text`), or
 //! nothing (`none`) — prefills only the rest, and streams the generated text back.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
@@ -50,6 +51,8 @@ pub struct Job {
     pub stop: Vec<String>,
     /// How the request's history tool calls were rendered, for the trace.
     pub replay: crate::tooling::ReplayStats,
+    /// OpenAI `prompt_cache_key`: requests with one key stay on one slot.
+    pub cache_key: Option<String>,
     pub events: tmpsc::Sender<Event>,
 }
 
@@ -226,10 +229,12 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// Starts the worker on `session`, with `persist` for disk checkpoints.
+    /// Starts the worker on `session`, with `persist` for disk checkpoints and a
+    /// side slot of `side_ctx` tokens (0: none) for short unrelated requests.
     pub fn start(
         session: Session,
         persist: Option<Persist>,
+        side_ctx: usize,
         queue_max: usize,
         metrics: Arc<Metrics>,
         trace: Option<Arc<Trace>>,
@@ -247,6 +252,9 @@ impl Worker {
             .spawn(move || {
                 let mut state = WorkerState {
                     session,
+                    side: None,
+                    side_ctx,
+                    slot_keys: HashMap::new(),
                     persist,
                     stopping,
                     metrics,
@@ -270,8 +278,30 @@ impl Worker {
     }
 }
 
+/// Which session a job runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Slot {
+    /// The live conversation, checkpointed to disk.
+    Main,
+    /// Short requests that share nothing with the main conversation (title
+    /// generation, quota checks): served here so the main state stays live.
+    Side,
+}
+
+/// Keys remembered for `prompt_cache_key` slot affinity.
+const MAX_SLOT_KEYS: usize = 4096;
+
+/// The main session is worth protecting from a short unrelated request once it
+/// holds this many tokens.
+const PROTECT_MIN_TOKENS: usize = 64;
+
 struct WorkerState {
+    /// The session the running job uses (the main one between jobs).
     session: Session,
+    /// The other slot while a side job runs; the side session between jobs.
+    side: Option<Session>,
+    side_ctx: usize,
+    slot_keys: HashMap<String, Slot>,
     persist: Option<Persist>,
     stopping: Arc<AtomicBool>,
     metrics: Arc<Metrics>,
@@ -279,8 +309,89 @@ struct WorkerState {
 }
 
 impl WorkerState {
+    /// Tokens of `ids` that `session` can reuse (its token prefix, or all of it
+    /// when its text is a prefix of `prompt`).
+    fn shared(session: &Session, prompt: &str, ids: &[u32]) -> usize {
+        let live = session.tokens();
+        let by_token = live.iter().zip(ids).take_while(|(a, b)| a == b).count();
+        if by_token < live.len()
+            && prompt
+                .as_bytes()
+                .starts_with(&session.model().tokenizer.decode(live, true))
+        {
+            return live.len();
+        }
+        by_token
+    }
+
+    /// The slot for `job`: its key's slot; else the main session when it shares
+    /// enough; else the side one when the request is short and either continues
+    /// a side conversation or would evict a main one worth keeping.
+    fn choose_slot(&mut self, job: &Job) -> Slot {
+        // A cheap bound first: a token is at least one byte.
+        if self.side_ctx == 0 || job.prompt.len() > 16 * self.side_ctx {
+            return Slot::Main;
+        }
+        let ids = self
+            .session
+            .model()
+            .tokenizer
+            .encode(&job.prompt, true, true);
+        let fits = ids.len() + job.max_tokens.min(self.side_ctx / 4) < self.side_ctx;
+        if let Some(slot) = job.cache_key.as_ref().and_then(|k| self.slot_keys.get(k)) {
+            return if fits { *slot } else { Slot::Main };
+        }
+        if !fits {
+            return Slot::Main;
+        }
+        let main = Self::shared(&self.session, &job.prompt, &ids);
+        if main >= PROTECT_MIN_TOKENS {
+            return Slot::Main;
+        }
+        let side = self
+            .side
+            .as_ref()
+            .map_or(0, |s| Self::shared(s, &job.prompt, &ids));
+        if side > main || self.session.tokens().len() >= PROTECT_MIN_TOKENS {
+            Slot::Side
+        } else {
+            Slot::Main
+        }
+    }
+
     fn run(&mut self, job: Job) {
-        if let Err(e) = self.generate(&job) {
+        let slot = self.choose_slot(&job);
+        if let Some(k) = &job.cache_key {
+            if self.slot_keys.len() >= MAX_SLOT_KEYS && !self.slot_keys.contains_key(k) {
+                self.slot_keys.clear();
+            }
+            self.slot_keys.insert(k.clone(), slot);
+        }
+        if slot == Slot::Side {
+            // Swap the side session in, and keep its short requests out of the
+            // checkpoint store.
+            let side = match self.side.take() {
+                Some(s) => s,
+                None => self.session.sibling(self.side_ctx),
+            };
+            self.side = Some(std::mem::replace(&mut self.session, side));
+            let persist = self.persist.take();
+            self.run_on_slot(&job, slot);
+            self.persist = persist;
+            if let Some(main) = self.side.take() {
+                self.side = Some(std::mem::replace(&mut self.session, main));
+            }
+        } else {
+            self.run_on_slot(&job, slot);
+        }
+    }
+
+    fn run_on_slot(&mut self, job: &Job, slot: Slot) {
+        if let Some(t) = &self.trace {
+            let slot = if slot == Slot::Side { "side" } else { "main" };
+            t.write(json!({ "event": "slot", "id": job.id, "slot": slot }));
+        }
+        if let Err(e) = self.generate(job) {
             if let Some(t) = &self.trace {
                 t.write(json!({
                     "event": "request", "id": job.id, "route": job.route,
