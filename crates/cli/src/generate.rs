@@ -423,7 +423,7 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
         let t1 = Instant::now();
         let cold = !reused_live && restored == 0;
         let prefilled = match &mut persist {
-            Some(p) => p.prefill(&mut session, &ids, cold, &mut prefill_with_bar),
+            Some(p) => p.prefill(&mut session, &ids, cold, &[], &mut prefill_with_bar),
             None => prefill_with_bar(&mut session, &ids),
         };
         if let Err(e) = prefilled {

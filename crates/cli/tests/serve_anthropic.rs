@@ -378,3 +378,44 @@ fn x_api_key_is_checked_and_refusals_have_anthropic_shape() {
     assert_eq!(r.json()["error"]["type"], "authentication_error");
     assert!(r.json().get("type").is_none());
 }
+
+#[test]
+fn a_cache_control_breakpoint_is_checkpointed_and_reused_after_a_restart() {
+    let dir = temp_dir("kv-hint");
+    let kv = dir.join("kv");
+    let args = [
+        "--kv-disk-dir",
+        kv.to_str().unwrap(),
+        "--kv-cache-min-tokens",
+        "16",
+    ];
+    let system = json!([{ "type": "text", "cache_control": { "type": "ephemeral" },
+        "text": "You are the keeper's logbook. Answer in one short sentence. ".repeat(6) }]);
+    let ask = |q: &str| {
+        msg_body(
+            json!([{ "role": "user", "content": q }]),
+            json!({ "system": system }),
+        )
+    };
+    let srv = Server::start(&args);
+    let v = post(
+        srv.port,
+        "/v1/messages",
+        &ask("What is the capital of France?"),
+    )
+    .json();
+    assert!(n(&v["usage"]["cache_creation_input_tokens"]) > 0, "{v}");
+    let log = srv.stop();
+    assert!(log.contains("reason=client-hint"), "{log}");
+
+    // Another question after a restart: the system prompt comes back from its
+    // breakpoint checkpoint.
+    let srv = Server::start(&args);
+    let r = post(srv.port, "/v1/messages", &ask("Which year is it?"));
+    let cache = r.header("x-ds4-cache").unwrap();
+    assert!(cache.starts_with("disk-text"), "{cache}");
+    assert!(
+        n(&r.json()["usage"]["cache_read_input_tokens"]) >= 16,
+        "{cache}"
+    );
+}

@@ -38,6 +38,8 @@ pub enum SaveReason {
     Shutdown = 4,
     AgentSystem = 5,
     AgentSession = 6,
+    /// A client's cache breakpoint (Anthropic `cache_control`): an anchor.
+    ClientHint = 7,
 }
 
 impl SaveReason {
@@ -50,6 +52,7 @@ impl SaveReason {
             4 => SaveReason::Shutdown,
             5 => SaveReason::AgentSystem,
             6 => SaveReason::AgentSession,
+            7 => SaveReason::ClientHint,
             _ => return None,
         })
     }
@@ -64,6 +67,7 @@ impl SaveReason {
             SaveReason::Shutdown => "shutdown",
             SaveReason::AgentSystem => "agent-system",
             SaveReason::AgentSession => "agent-session",
+            SaveReason::ClientHint => "client-hint",
         }
     }
 
@@ -71,7 +75,7 @@ impl SaveReason {
     pub fn is_anchor(self) -> bool {
         matches!(
             self,
-            SaveReason::Cold | SaveReason::Evict | SaveReason::Shutdown
+            SaveReason::Cold | SaveReason::Evict | SaveReason::Shutdown | SaveReason::ClientHint
         )
     }
 }

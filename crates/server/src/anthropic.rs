@@ -153,11 +153,13 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
     }
     let mut out = Vec::with_capacity(msgs.len() + 1);
     let mut breakpoints = Vec::new();
-    let system_marked = b.system.as_ref().is_some_and(has_cache_control);
+    // Tools render into the system prompt: a breakpoint on them ends there too.
+    let system_marked = b.system.as_ref().is_some_and(has_cache_control)
+        || b.tools.as_ref().is_some_and(has_cache_control);
     if let Some(s) = system_text(b.system)? {
         out.push(Message::new(Role::System, s));
         if system_marked {
-            breakpoints.push(usize::MAX);
+            breakpoints.push(0);
         }
     }
     let last = msgs.len() - 1;
@@ -775,7 +777,7 @@ mod tests {
         assert_eq!(a.tools.len(), 1, "the hosted web search tool is skipped");
         assert_eq!(a.tool_choice, ToolChoice::Named("ls".into()));
         assert_eq!(a.think, ds4_chat::ThinkMode::None);
-        assert_eq!(a.cache_breakpoints, vec![usize::MAX, 4]);
+        assert_eq!(a.cache_breakpoints, vec![0, 4]);
     }
 
     #[test]

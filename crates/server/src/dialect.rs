@@ -37,8 +37,7 @@ pub struct AgentOptions {
     /// family may not have one).
     pub think: ThinkMode,
     /// Anthropic `cache_control` breakpoints: the index of the message whose end
-    /// is a boundary worth a checkpoint (`usize::MAX` for the end of the system
-    /// prompt).
+    /// is a boundary worth a checkpoint (the system prompt is message 0).
     pub cache_breakpoints: Vec<usize>,
     /// OpenAI `prompt_cache_key`: requests with one key share a session slot.
     pub cache_key: Option<String>,

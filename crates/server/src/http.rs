@@ -276,6 +276,8 @@ pub(crate) struct Rendered {
     /// The thinking mode the prompt was rendered in.
     pub think: ThinkMode,
     pub replay: ReplayStats,
+    /// Byte offsets of the client's cache breakpoints in `prompt`.
+    pub breakpoints: Vec<usize>,
 }
 
 /// Renders a request: a raw prompt as is, messages (normalised, with remembered
@@ -289,6 +291,7 @@ pub(crate) fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'stati
                 forced: None,
                 think: ThinkMode::None,
                 replay: ReplayStats::default(),
+                breakpoints: vec![],
             })
         }
         (Input::Messages(m), Some(t)) => (m, t),
@@ -318,11 +321,31 @@ pub(crate) fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'stati
     } else {
         syntax.forced_prefix(&p.agent.tool_choice)
     };
+    // A breakpoint is the end of its message: where rendering the conversation up
+    // to it ends, when that is a prefix of the prompt (append-only templates).
+    let breakpoints = p
+        .agent
+        .cache_breakpoints
+        .iter()
+        .filter_map(|&i| {
+            let upto = messages.get(..=i)?;
+            let prefix = t.render(
+                upto,
+                &RenderOptions {
+                    tools,
+                    think,
+                    add_generation_prompt: false,
+                },
+            );
+            prompt.starts_with(&prefix).then_some(prefix.len())
+        })
+        .collect();
     if let Some(f) = &forced {
         prompt.push_str(f);
     }
     Ok(Rendered {
         prompt,
+        breakpoints,
         parser: (!tools.is_empty()).then(|| syntax.parser(tools)),
         forced,
         think,
@@ -364,6 +387,7 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
         stop: p.stop.clone(),
         replay: r.replay,
         cache_key: p.agent.cache_key.clone(),
+        breakpoints: r.breakpoints,
         events: tx,
     };
     match st.worker.submit(job) {

@@ -142,13 +142,16 @@ impl Persist {
     }
 
     /// Prefills `ids` onto the session, stopping where a cold save (when
-    /// `cold_prompt`, i.e. nothing was reused) or a continued save is due and saving
-    /// there. Save failures are reported and skipped; prefill errors are returned.
+    /// `cold_prompt`, i.e. nothing was reused), a continued save or a client's
+    /// cache breakpoint (`hints`: prompt token counts, trimmed and aligned like a
+    /// cold save) is due and saving there. Save failures are reported and
+    /// skipped; prefill errors are returned.
     pub fn prefill(
         &mut self,
         session: &mut Session,
         ids: &[u32],
         cold_prompt: bool,
+        hints: &[usize],
         prefill: &mut PrefillFn<'_>,
     ) -> Result<(), EngineError> {
         let policy = self.policy();
@@ -157,6 +160,13 @@ impl Persist {
         if cold_prompt && start == 0 {
             if let Some(c) = policy.cold_save_len(ids.len()) {
                 cuts.push((c, SaveReason::Cold));
+            }
+        }
+        for &h in hints {
+            if let Some(at) = policy.cold_save_len(h) {
+                if at > start && at <= start + ids.len() && !cuts.iter().any(|&(c, _)| c == at) {
+                    cuts.push((at, SaveReason::ClientHint));
+                }
             }
         }
         let mut f = self.continued_frontier;

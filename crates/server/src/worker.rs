@@ -53,6 +53,9 @@ pub struct Job {
     pub replay: crate::tooling::ReplayStats,
     /// OpenAI `prompt_cache_key`: requests with one key stay on one slot.
     pub cache_key: Option<String>,
+    /// Byte offsets in `prompt` of client cache breakpoints (Anthropic
+    /// `cache_control`), checkpointed when the prefill passes them.
+    pub breakpoints: Vec<usize>,
     pub events: tmpsc::Sender<Event>,
 }
 
@@ -103,6 +106,18 @@ pub struct Divergence {
     pub candidate_bytes: String,
 }
 
+/// How many of `ids` (whose text lengths `piece_len` gives) lie wholly within
+/// the first `bytes` bytes of their text.
+pub fn tokens_within(ids: &[u32], bytes: usize, piece_len: impl Fn(u32) -> usize) -> usize {
+    let mut end = 0;
+    ids.iter()
+        .take_while(|&&id| {
+            end += piece_len(id);
+            end <= bytes
+        })
+        .count()
+}
+
 impl Divergence {
     /// Compares `prompt` (tokenized as `ids`, piece lengths from `piece_len`) with
     /// a candidate's text.
@@ -115,14 +130,7 @@ impl Divergence {
         piece_len: impl Fn(u32) -> usize,
     ) -> Self {
         let byte = prompt.iter().zip(text).take_while(|(a, b)| a == b).count();
-        let mut end = 0;
-        let token = ids
-            .iter()
-            .take_while(|&&id| {
-                end += piece_len(id);
-                end <= byte
-            })
-            .count();
+        let token = tokens_within(ids, byte, piece_len);
         let excerpt = |b: &[u8]| {
             let tail = &b[byte.min(b.len())..];
             String::from_utf8_lossy(&tail[..tail.len().min(40)])
@@ -516,6 +524,7 @@ impl WorkerState {
             miss: miss.clone(),
         }));
         let t0 = Instant::now();
+        let model_for_hints = Arc::clone(self.session.model());
         let suffix = &ids[self.session.tokens().len()..];
         let saved_before = self.persist.as_ref().map_or(0, |p| p.saved_tokens());
         // Prefill stops between chunks when the client has gone or the server is
@@ -533,11 +542,21 @@ impl WorkerState {
             }
             Ok(())
         };
+        let hints: Vec<usize> = if self.persist.is_some() {
+            let tok = &model_for_hints.tokenizer;
+            job.breakpoints
+                .iter()
+                .map(|&b| tokens_within(&ids, b, |id| tok.decode(&[id], true).len()))
+                .collect()
+        } else {
+            vec![]
+        };
         match &mut self.persist {
             Some(p) => p.prefill(
                 &mut self.session,
                 suffix,
                 source == CacheSource::None,
+                &hints,
                 &mut prefill,
             ),
             None => prefill(&mut self.session, suffix),
