@@ -123,6 +123,6 @@ pub use score::{
     SUPERSEDED_FACTOR,
 };
 pub use store::{
-    now_unix, Candidate, EntryInfo, Evicted, Loaded, Notice, Payload, SaveOutcome, SaveRequest,
-    SkipReason, Store, StoreConfig, VerifyReport, EXCERPT_CHARS, STALE_TEMP_AGE_S,
+    now_unix, Candidate, EntryInfo, Evicted, Loaded, NearMiss, Notice, Payload, SaveOutcome,
+    SaveRequest, SkipReason, Store, StoreConfig, VerifyReport, EXCERPT_CHARS, STALE_TEMP_AGE_S,
 };

@@ -30,6 +30,17 @@ pub const STALE_TEMP_AGE_S: u64 = 3600;
 /// Characters of text shown by [`Store::entries`].
 pub const EXCERPT_CHARS: usize = 60;
 
+/// A checkpoint that shares a prefix with a prompt but diverges from it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NearMiss {
+    pub path: PathBuf,
+    /// Tokens the checkpoint holds.
+    pub tokens: u32,
+    /// Bytes its text shares with the prompt.
+    pub common_bytes: usize,
+    pub text: Vec<u8>,
+}
+
 /// Store settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StoreConfig {
@@ -503,6 +514,49 @@ impl Store {
             return Err("saved with a larger context than the session's");
         }
         Ok(())
+    }
+
+    /// The compatible checkpoint whose text shares the longest byte prefix with
+    /// `prompt` without being a prefix of it: the near miss a lookup could not
+    /// use, for explaining misses. Reads the texts (never the payloads).
+    pub fn nearest_miss(
+        &self,
+        prompt: &[u8],
+        model: &ModelId,
+        n_ctx: u32,
+    ) -> Result<Option<NearMiss>, KvError> {
+        let live = {
+            let mut st = self.lock();
+            self.scan(&mut st)?;
+            valid_entries(&st)
+        };
+        let mut best: Option<NearMiss> = None;
+        for (name, e) in live {
+            if self.compatible(&e.header, model, n_ctx).is_err() {
+                continue;
+            }
+            let path = self.dir.join(&name);
+            let Ok(file) = File::open(&path) else {
+                continue;
+            };
+            let Ok(len) = usize::try_from(e.header.text_bytes) else {
+                continue;
+            };
+            let mut text = vec![0u8; len];
+            if file.read_exact_at(&mut text, HEADER_LEN as u64).is_err() {
+                continue;
+            }
+            let common = text.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+            if common < text.len() && best.as_ref().is_none_or(|b| common > b.common_bytes) {
+                best = Some(NearMiss {
+                    path,
+                    tokens: e.header.tokens,
+                    common_bytes: common,
+                    text,
+                });
+            }
+        }
+        Ok(best)
     }
 
     /// The longest checkpoint whose rendered text is a byte prefix of `prompt`, saved by

@@ -404,3 +404,27 @@ fn sections_are_read_without_the_payload() {
     fs::write(&with_path, &bytes).unwrap();
     assert!(store.sections_with_flags(1).unwrap().is_empty());
 }
+
+#[test]
+fn the_nearest_miss_is_the_longest_shared_prefix_that_is_not_a_prefix() {
+    let td = TempDir::new("nearmiss");
+    let store = Store::open(td.store_dir(), big_config()).unwrap();
+    let payload = vec![1u8; 100];
+    save(
+        &store,
+        &Spec::new(b"system: be brief. user: hello", &payload),
+    );
+    save(&store, &Spec::new(b"system: be brief. user: bye", &payload));
+    save(&store, &Spec::new(b"system: be", &payload));
+    let prompt = b"system: be brief. user: help me";
+    let m = store
+        .nearest_miss(prompt, &MODEL_A, 8192)
+        .unwrap()
+        .expect("a near miss");
+    assert_eq!(m.text, b"system: be brief. user: hello");
+    assert_eq!(m.common_bytes, b"system: be brief. user: hel".len());
+    assert!(store
+        .nearest_miss(prompt, &MODEL_B, 8192)
+        .unwrap()
+        .is_none());
+}

@@ -83,6 +83,15 @@ impl Persist {
         *self.store.policy()
     }
 
+    /// The checkpoint that shares the most of `prompt` without being a prefix of
+    /// it (for explaining a miss); store failures count as none.
+    pub fn nearest_miss(&self, prompt: &[u8], n_ctx: usize) -> Option<ds4_kvstore::NearMiss> {
+        self.store
+            .nearest_miss(prompt, &self.model, n_ctx as u32)
+            .ok()
+            .flatten()
+    }
+
     /// Loads the longest checkpoint that is a prefix of `prompt` into the (empty)
     /// session and returns the number of prompt bytes it covers (0 on a miss or on
     /// any failure, which is reported and leaves the session empty).

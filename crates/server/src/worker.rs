@@ -93,7 +93,7 @@ pub struct Usage {
 /// Where a prompt first differs from the text of the best reuse candidate.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Divergence {
-    /// `memory` (the live session) or `disk` (a checkpoint).
+    /// `memory` (the live session) or `disk` (the checkpoint sharing the most).
     pub candidate: &'static str,
     /// Tokens the candidate holds.
     pub offered_tokens: usize,
@@ -478,17 +478,39 @@ impl WorkerState {
         }
         let live = self.session.tokens().to_vec();
         let (ids, reused, source) = self.plan(&job.prompt);
-        let miss = (reused < live.len()).then(|| {
-            let tok = &self.session.model().tokenizer;
-            Box::new(Divergence::find(
+        let tok = &self.session.model().tokenizer;
+        let piece_len = |id: u32| tok.decode(&[id], true).len();
+        let mut miss = (reused < live.len()).then(|| {
+            Divergence::find(
                 "memory",
                 live.len(),
                 job.prompt.as_bytes(),
                 &tok.decode(&live, true),
                 &ids,
-                |id| tok.decode(&[id], true).len(),
-            ))
+                piece_len,
+            )
         });
+        // When memory did not deliver, a checkpoint may have offered more.
+        if matches!(source, CacheSource::None | CacheSource::DiskText) {
+            let near = self
+                .persist
+                .as_ref()
+                .and_then(|p| p.nearest_miss(job.prompt.as_bytes(), self.session.n_ctx()));
+            if let Some(n) = near {
+                let d = Divergence::find(
+                    "disk",
+                    n.tokens as usize,
+                    job.prompt.as_bytes(),
+                    &n.text,
+                    &ids,
+                    piece_len,
+                );
+                if d.token > reused && miss.as_ref().is_none_or(|m| d.token > m.token) {
+                    miss = Some(d);
+                }
+            }
+        }
+        let miss = miss.map(Box::new);
         let checkpoint = self.persist.as_ref().and_then(|p| p.last_file.clone());
         if let Some(t) = &self.trace {
             t.write(json!({
