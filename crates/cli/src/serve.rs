@@ -109,7 +109,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         a.side_ctx,
         a.queue_max,
         Arc::clone(&metrics),
-        trace,
+        trace.clone(),
     );
     let cfg = ServerConfig {
         api_key: a.api_key.clone(),
@@ -122,8 +122,15 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         normalize: (!a.no_normalize_prompts).then(|| a.normalize_regex.clone()),
         n_ctx,
     };
-    let app = router(cfg, worker.handle.clone(), model, metrics, tool_memory)
-        .context("invalid --normalize-regex pattern")?;
+    let app = router(
+        cfg,
+        worker.handle.clone(),
+        model,
+        metrics,
+        tool_memory,
+        trace,
+    )
+    .context("invalid --normalize-regex pattern")?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

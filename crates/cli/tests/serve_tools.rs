@@ -181,3 +181,30 @@ fn exact_tool_text_survives_a_restart_with_the_checkpoint() {
         "reused {cached} of the {turn1} checkpointed tokens: {cache}"
     );
 }
+
+#[test]
+fn an_unclosed_call_degrades_to_text_with_a_trace_event() {
+    let dir = temp_dir("tools-trace");
+    let trace = dir.join("trace.jsonl");
+    let srv = Server::start(&["--no-kv-disk", "--trace", trace.to_str().unwrap()]);
+    // The forced opening leaves the model 6 tokens: the call cannot close.
+    let r = post(
+        srv.port,
+        "/v1/chat/completions",
+        &json!({ "messages": [user()], "tools": tools(), "temperature": 0, "max_tokens": 6,
+                 "tool_choice": "required" }),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "length", "{v}");
+    assert!(choice["message"]["tool_calls"].is_null(), "{v}");
+    let text = choice["message"]["content"].as_str().unwrap();
+    assert!(text.starts_with("<tool_call>"), "{text}");
+    srv.stop();
+    let events = std::fs::read_to_string(&trace).unwrap();
+    assert!(
+        events.lines().any(|l| l.contains(r#""event":"tool_call_malformed""#)),
+        "{events}"
+    );
+}

@@ -28,6 +28,7 @@ use crate::metrics::Metrics;
 use crate::normalize::Normalizer;
 use crate::openai::{self, Kind, OpenAi};
 use crate::tooling::{ReplayStats, ToolMemory};
+use crate::trace::Trace;
 use crate::turn::{Shaper, Turn};
 use crate::worker::{Event, FinishReason, Job, JobError, SubmitError, Usage, WorkerHandle};
 
@@ -70,6 +71,7 @@ pub(crate) struct AppState {
     pub template: Option<Box<dyn Template>>,
     pub metrics: Arc<Metrics>,
     pub tool_memory: Arc<ToolMemory>,
+    trace: Option<Arc<Trace>>,
     normalizer: Normalizer,
     next_id: AtomicU64,
 }
@@ -82,6 +84,7 @@ pub fn router(
     model: Arc<Model>,
     metrics: Arc<Metrics>,
     tool_memory: Arc<ToolMemory>,
+    trace: Option<Arc<Trace>>,
 ) -> Result<Router, regex::Error> {
     let max_body = cfg.max_body_bytes;
     let template = model
@@ -99,6 +102,7 @@ pub fn router(
         template,
         metrics,
         tool_memory,
+        trace,
         normalizer,
         next_id: AtomicU64::new(1),
     });
@@ -426,7 +430,7 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
                 }
                 Event::Done { finish, usage } => {
                     let (_, turn) = shaper.finish();
-                    let finish = end_turn(&st, &turn, finish);
+                    let finish = end_turn(&st, &g, &turn, finish);
                     let mut r = Json(d.complete(&g, &turn, finish, &usage)).into_response();
                     cache_header(&mut r, &usage);
                     return r;
@@ -472,7 +476,7 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
                 }
                 Some(Event::Done { finish, usage }) => {
                     let (pieces, turn) = shaper.finish();
-                    let finish = end_turn(&st, &turn, finish);
+                    let finish = end_turn(&st, &g, &turn, finish);
                     let mut events: Vec<SseEvent> = pieces
                         .iter()
                         .flat_map(|piece| d.stream_piece(&g, piece))
@@ -492,9 +496,19 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
     r
 }
 
-/// Bookkeeping at the end of a turn: remembers the exact text of its tool calls
-/// and returns the finish reason the client sees.
-fn end_turn(st: &AppState, turn: &Turn, finish: FinishReason) -> FinishReason {
+/// Bookkeeping at the end of a turn: notes a call that degraded to text,
+/// remembers the exact text of its tool calls, and returns the finish reason the
+/// client sees.
+fn end_turn(st: &AppState, g: &Gen, turn: &Turn, finish: FinishReason) -> FinishReason {
+    if let Some(reason) = &turn.malformed {
+        eprintln!(
+            "request {}: a malformed tool call was returned as text: {reason}",
+            g.id
+        );
+        if let Some(t) = &st.trace {
+            t.write(json!({ "event": "tool_call_malformed", "id": g.id, "reason": reason }));
+        }
+    }
     if turn.calls.is_empty() {
         return finish;
     }
