@@ -204,7 +204,9 @@ fn an_unclosed_call_degrades_to_text_with_a_trace_event() {
     srv.stop();
     let events = std::fs::read_to_string(&trace).unwrap();
     assert!(
-        events.lines().any(|l| l.contains(r#""event":"tool_call_malformed""#)),
+        events
+            .lines()
+            .any(|l| l.contains(r#""event":"tool_call_malformed""#)),
         "{events}"
     );
 }

@@ -781,6 +781,68 @@ mod tests {
     }
 
     #[test]
+    fn thinking_then_text_then_a_call_are_numbered_blocks() {
+        let d = Anthropic::default();
+        let g = gen();
+        let call = CallOut {
+            id: "toolu_1".into(),
+            name: "ls".into(),
+            arguments: r#"{"d":1}"#.into(),
+        };
+        let mut evs = Vec::new();
+        for p in [
+            Piece::Reasoning("hm".into()),
+            Piece::Text("Sure.".into()),
+            Piece::Call(0, call.clone()),
+        ] {
+            evs.extend(d.stream_piece(&g, &p));
+        }
+        evs.extend(d.stream_end(
+            &g,
+            &Turn::default(),
+            FinishReason::ToolCalls,
+            &usage(1, 0, 0),
+            false,
+        ));
+        let text: Vec<String> = evs.iter().map(|e| format!("{e:?}")).collect();
+        let joined = text.join("\n");
+        let order = [
+            r#"\"type\":\"thinking\""#,
+            "thinking_delta",
+            "signature_delta",
+            r#"\"index\":1,\"content_block\":{\"type\":\"text\""#,
+            "text_delta",
+            "tool_use",
+            "input_json_delta",
+            r#"\"stop_reason\":\"tool_use\""#,
+        ];
+        let mut from = 0;
+        for needle in order {
+            let at = joined[from..]
+                .find(needle)
+                .unwrap_or_else(|| panic!("{needle} after {from}: {joined}"));
+            from += at;
+        }
+        let v = d.complete(
+            &g,
+            &Turn {
+                reasoning: "hm".into(),
+                content: "Sure.".into(),
+                calls: vec![call],
+                ..Turn::default()
+            },
+            FinishReason::ToolCalls,
+            &usage(1, 0, 0),
+        );
+        assert_eq!(
+            v["content"][0],
+            json!({"type":"thinking","thinking":"hm","signature":"msg_7"})
+        );
+        assert_eq!(v["content"][2]["input"], json!({"d":1}));
+        assert_eq!(v["stop_reason"], "tool_use");
+    }
+
+    #[test]
     fn count_tokens_needs_no_max_tokens() {
         let p = parse_count_tokens(br#"{"messages":[{"role":"user","content":"x"}]}"#).unwrap();
         assert_eq!(p.max_tokens, None);

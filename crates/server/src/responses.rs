@@ -66,6 +66,7 @@ struct Body {
 #[derive(Deserialize)]
 struct Reasoning {
     effort: Option<String>,
+    summary: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -92,6 +93,9 @@ struct Echo {
     parallel_tool_calls: bool,
     tool_choice: Value,
     reasoning_effort: Option<String>,
+    /// `reasoning.summary` auto / concise / detailed: reasoning is returned as a
+    /// `reasoning` item with a summary text.
+    reasoning_summary: Option<String>,
 }
 
 /// The Responses wire format of one request. It is built per request: it echoes
@@ -103,6 +107,9 @@ pub struct Responses {
     seq: AtomicU64,
     /// The text streamed so far, for the `response.failed` object.
     streamed: Mutex<String>,
+    /// The reasoning streamed so far (`Some` once its item opened) and whether
+    /// its item is closed.
+    reasoning: Mutex<(Option<String>, bool)>,
 }
 
 fn bad(message: impl Into<String>, param: &'static str) -> BadRequest {
@@ -133,7 +140,19 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         ));
     }
     let tools = crate::tooling::parse_tools(b.tools.as_ref()).map_err(|m| bad(m, "tools"))?;
-    let effort = b.reasoning.and_then(|r| r.effort);
+    let (effort, summary) = match b.reasoning {
+        Some(r) => (r.effort, r.summary),
+        None => (None, None),
+    };
+    let summary = match summary.as_deref() {
+        None | Some("auto" | "concise" | "detailed") => summary,
+        Some(other) => {
+            return Err(bad(
+                format!("reasoning.summary must be auto, concise or detailed, not {other:?}"),
+                "reasoning",
+            ))
+        }
+    };
     // A reasoning effort is the Responses API's thinking control.
     let control = match effort.as_deref() {
         None => ds4_chat::think::ThinkControl::Absent,
@@ -217,6 +236,7 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
             .filter(|t| !t.is_null())
             .unwrap_or(json!("auto")),
         reasoning_effort: effort,
+        reasoning_summary: summary,
     };
     let request = Request {
         model: b.model,
@@ -391,6 +411,20 @@ fn ids(g: &Gen) -> (String, String) {
     (format!("resp_{n}"), format!("msg_{n}"))
 }
 
+/// `rs_N`: the reasoning item's id.
+fn reasoning_id(g: &Gen) -> String {
+    format!("rs_{}", g.id.rsplit('-').next().unwrap_or(&g.id))
+}
+
+/// A `reasoning` output item with one summary text.
+fn reasoning_item(g: &Gen, text: Option<&str>) -> Value {
+    let summary = match text {
+        Some(t) => json!([{ "type": "summary_text", "text": t }]),
+        None => json!([]),
+    };
+    json!({ "type": "reasoning", "id": reasoning_id(g), "summary": summary })
+}
+
 fn output_text(text: &str) -> Value {
     json!({ "type": "output_text", "text": text, "annotations": [], "logprobs": [] })
 }
@@ -416,9 +450,13 @@ fn call_item_id(c: &CallOut) -> String {
     format!("fc_{}", c.id.trim_start_matches("call_"))
 }
 
-/// The output items of a finished turn: the message, then the calls.
-fn output_items(msg_id: &str, item_status: &str, turn: &Turn) -> Vec<Value> {
-    let mut items = vec![message_item(msg_id, item_status, Some(&turn.content))];
+/// The output items of a finished turn: the message (output index 0, opened
+/// before the first token), the reasoning when asked for, then the calls.
+fn output_items(g: &Gen, summary: bool, item_status: &str, turn: &Turn) -> Vec<Value> {
+    let mut items = vec![message_item(&ids(g).1, item_status, Some(&turn.content))];
+    if summary && !turn.reasoning.is_empty() {
+        items.push(reasoning_item(g, Some(&turn.reasoning)));
+    }
     items.extend(
         turn.calls
             .iter()
@@ -471,7 +509,7 @@ impl Responses {
             "output": output,
             "parallel_tool_calls": e.parallel_tool_calls,
             "previous_response_id": null,
-            "reasoning": { "effort": e.reasoning_effort, "summary": null },
+            "reasoning": { "effort": e.reasoning_effort, "summary": e.reasoning_summary },
             "store": false,
             "temperature": short_float(e.temperature),
             "text": { "format": { "type": "text" } },
@@ -526,10 +564,12 @@ impl Responses {
 
     /// The events of the `index`-th call: its item, its arguments, done. Calls
     /// follow the message item (output index 0).
-    fn call_events(&self, index: usize, c: &CallOut) -> Vec<(&'static str, Value)> {
-        let output_index = index + 1;
+    fn call_events(&self, g: &Gen, index: usize, c: &CallOut) -> Vec<(&'static str, Value)> {
+        let mut out = self.close_reasoning(g);
+        let had_reasoning = self.reasoning.lock().is_ok_and(|r| r.0.is_some());
+        let output_index = index + 1 + usize::from(had_reasoning);
         let item_id = call_item_id(c);
-        vec![
+        out.extend([
             self.event(
                 "response.output_item.added",
                 json!({ "output_index": output_index, "item": call_item(c, "in_progress", "") }),
@@ -545,6 +585,68 @@ impl Responses {
             self.event(
                 "response.output_item.done",
                 json!({ "output_index": output_index, "item": call_item(c, "completed", &c.arguments) }),
+            ),
+        ]);
+        out
+    }
+
+    /// The events of a reasoning piece (only with a summary opt-in): the item
+    /// (output index 1) opens with the first one.
+    fn reasoning_events(&self, g: &Gen, text: &str) -> Vec<(&'static str, Value)> {
+        if self.echo.reasoning_summary.is_none() {
+            return vec![];
+        }
+        let Ok(mut r) = self.reasoning.lock() else {
+            return vec![];
+        };
+        let id = reasoning_id(g);
+        let mut out = Vec::new();
+        if r.0.is_none() {
+            r.0 = Some(String::new());
+            out.push(self.event(
+                "response.output_item.added",
+                json!({ "output_index": 1, "item": reasoning_item(g, None) }),
+            ));
+            out.push(self.event(
+                "response.reasoning_summary_part.added",
+                json!({ "item_id": id, "output_index": 1, "summary_index": 0,
+                        "part": { "type": "summary_text", "text": "" } }),
+            ));
+        }
+        if let Some(all) = &mut r.0 {
+            all.push_str(text);
+        }
+        out.push(self.event(
+            "response.reasoning_summary_text.delta",
+            json!({ "item_id": id, "output_index": 1, "summary_index": 0, "delta": text }),
+        ));
+        out
+    }
+
+    /// Closes the reasoning item if one is open (when the answer or a call starts).
+    fn close_reasoning(&self, g: &Gen) -> Vec<(&'static str, Value)> {
+        let Ok(mut r) = self.reasoning.lock() else {
+            return vec![];
+        };
+        let text = match (&r.0, r.1) {
+            (Some(t), false) => t.clone(),
+            _ => return vec![],
+        };
+        r.1 = true;
+        let id = reasoning_id(g);
+        vec![
+            self.event(
+                "response.reasoning_summary_text.done",
+                json!({ "item_id": id, "output_index": 1, "summary_index": 0, "text": text }),
+            ),
+            self.event(
+                "response.reasoning_summary_part.done",
+                json!({ "item_id": id, "output_index": 1, "summary_index": 0,
+                        "part": { "type": "summary_text", "text": text } }),
+            ),
+            self.event(
+                "response.output_item.done",
+                json!({ "output_index": 1, "item": reasoning_item(g, Some(&text)) }),
             ),
         ]
     }
@@ -569,12 +671,13 @@ impl Responses {
         let r = self.object(
             g,
             status,
-            output_items(&msg_id, item_status, turn),
+            output_items(g, self.echo.reasoning_summary.is_some(), item_status, turn),
             Some(u),
             incomplete,
             Value::Null,
         );
-        vec![
+        let mut out = self.close_reasoning(g);
+        out.extend([
             self.event(
                 "response.output_text.done",
                 json!({ "item_id": msg_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": [] }),
@@ -588,7 +691,8 @@ impl Responses {
                 json!({ "output_index": 0, "item": item }),
             ),
             self.event(terminal, json!({ "response": r })),
-        ]
+        ]);
+        out
     }
 
     /// `error`, then `response.failed` with the text streamed so far: how
@@ -629,7 +733,7 @@ impl Dialect for Responses {
 
     fn complete(&self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
         let (item_status, status, incomplete) = statuses(finish);
-        let items = output_items(&ids(g).1, item_status, turn);
+        let items = output_items(g, self.echo.reasoning_summary.is_some(), item_status, turn);
         self.object(g, status, items, Some(u), incomplete, Value::Null)
     }
 
@@ -637,13 +741,16 @@ impl Dialect for Responses {
         sse(self.start_events(g))
     }
 
-    /// Reasoning is not streamed: Responses returns it only on a summary opt-in,
-    /// which this server does not produce.
+    /// Reasoning is streamed only on a summary opt-in (`reasoning.summary`).
     fn stream_piece(&self, g: &Gen, piece: &Piece) -> Vec<SseEvent> {
         match piece {
-            Piece::Reasoning(_) => vec![],
-            Piece::Text(t) => sse(self.text_events(g, t)),
-            Piece::Call(i, c) => sse(self.call_events(*i, c)),
+            Piece::Reasoning(t) => sse(self.reasoning_events(g, t)),
+            Piece::Text(t) => {
+                let mut events = self.close_reasoning(g);
+                events.extend(self.text_events(g, t));
+                sse(events)
+            }
+            Piece::Call(i, c) => sse(self.call_events(g, *i, c)),
         }
     }
 
@@ -958,6 +1065,67 @@ mod tests {
             json!({"reason":"max_output_tokens"})
         );
         assert_eq!(v["output"][0]["status"], "incomplete");
+    }
+
+    #[test]
+    fn reasoning_is_an_item_only_on_a_summary_opt_in_and_calls_follow_it() {
+        let call = CallOut {
+            id: "call_ab".into(),
+            name: "ls".into(),
+            arguments: "{}".into(),
+        };
+        let turn = Turn {
+            reasoning: "hm ok".into(),
+            content: "Hi".into(),
+            calls: vec![call.clone()],
+            ..Turn::default()
+        };
+        let g = gen();
+        let (_, plain) = parse(br#"{"input":"x","reasoning":{"effort":"high"}}"#).unwrap();
+        assert!(plain.reasoning_events(&g, "hm").is_empty());
+        let v = plain.complete(&g, &turn, FinishReason::ToolCalls, &usage());
+        assert_eq!(v["output"].as_array().unwrap().len(), 2, "{v}");
+
+        let (_, d) =
+            parse(br#"{"input":"x","reasoning":{"effort":"high","summary":"auto"}}"#).unwrap();
+        let mut evs = d.reasoning_events(&g, "hm");
+        evs.extend(d.reasoning_events(&g, " ok"));
+        evs.extend(d.call_events(&g, 0, &call));
+        evs.extend(d.end_events(&g, &turn, FinishReason::ToolCalls, &usage()));
+        let at = |name: &str| {
+            evs.iter()
+                .filter(|(n, _)| *n == name)
+                .map(|(_, v)| v["output_index"].clone())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            at("response.reasoning_summary_text.delta"),
+            [json!(1), json!(1)]
+        );
+        assert_eq!(
+            at("response.reasoning_summary_text.done").len(),
+            1,
+            "closed once"
+        );
+        assert_eq!(at("response.output_item.added"), [json!(1), json!(2)]);
+        let done = evs
+            .iter()
+            .find(|(n, _)| *n == "response.reasoning_summary_text.done")
+            .unwrap();
+        assert_eq!(done.1["text"], "hm ok");
+        let v = d.complete(&g, &turn, FinishReason::ToolCalls, &usage());
+        let types: Vec<_> = v["output"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["type"].clone())
+            .collect();
+        assert_eq!(
+            types,
+            [json!("message"), json!("reasoning"), json!("function_call")]
+        );
+        assert_eq!(v["output"][1]["summary"][0]["text"], "hm ok");
+        assert!(parse(br#"{"input":"x","reasoning":{"summary":"long"}}"#).is_err());
     }
 
     #[test]
