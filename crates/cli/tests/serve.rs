@@ -572,3 +572,47 @@ fn a_short_unrelated_request_does_not_evict_the_live_conversation() {
         .unwrap();
     assert!(cached < turn1 / 2, "reused {cached} of {turn1}");
 }
+
+#[test]
+fn a_prompt_cache_key_keeps_its_requests_on_their_slot() {
+    let srv = Server::start(&["--no-kv-disk"]);
+    let p = srv.port;
+    let system = "You are a careful assistant for a lighthouse keeper. ".repeat(8);
+    let chat = |messages: Value, key: Option<&str>| {
+        let mut body = json!({"messages": messages, "max_tokens": 4, "temperature": 0});
+        if let Some(k) = key {
+            body["prompt_cache_key"] = json!(k);
+        }
+        let r = post(p, "/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r
+    };
+    let a1 = chat(
+        json!([{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]),
+        None,
+    )
+    .json();
+    // The key's first request is short and unrelated: the side slot. Its next
+    // request shares the main conversation's system prompt, but the key keeps it
+    // on the side slot, so the main conversation is not cut back.
+    chat(json!([{"role": "user", "content": "quota"}]), Some("k"));
+    chat(
+        json!([{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}]),
+        Some("k"),
+    );
+    let answer = a1["choices"][0]["message"]["content"].as_str().unwrap();
+    let a2 = chat(
+        json!([{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."},
+               {"role": "assistant", "content": answer}, {"role": "user", "content": "Another one."}]),
+        None,
+    );
+    let turn1 = a1["usage"]["total_tokens"].as_u64().unwrap();
+    let cached = a2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= turn1 - 1,
+        "reused {cached} of {turn1}: {:?}",
+        a2.header("x-ds4-cache")
+    );
+}
