@@ -15,6 +15,7 @@
 
 use serde_json::{Map, Value};
 
+use super::markup::{floor_char_boundary, held_tail, py_json};
 use super::{
     ParsedCall, ParsedTurn, ToolCall, ToolChoice, ToolEvent, ToolParser, ToolSpec, ToolSyntax,
 };
@@ -82,9 +83,9 @@ fn tool_json(tool: &ToolSpec) -> String {
     // Invalid schema text is kept verbatim rather than dropped: the model still sees it.
     let parameters = reserialise(&tool.parameters).unwrap_or_else(|| tool.parameters.clone());
     let mut out = String::from("{\"type\": \"function\", \"function\": {\"name\": ");
-    write_json_string(&mut out, &tool.name);
+    out.push_str(&py_json(&Value::String(tool.name.clone())));
     out.push_str(", \"description\": ");
-    write_json_string(&mut out, &tool.description);
+    out.push_str(&py_json(&Value::String(tool.description.clone())));
     out.push_str(", \"parameters\": ");
     out.push_str(&parameters);
     out.push_str("}}");
@@ -94,50 +95,7 @@ fn tool_json(tool: &ToolSpec) -> String {
 /// `text` parsed as JSON and printed like Python's `json.dumps`; `None` if not JSON.
 fn reserialise(text: &str) -> Option<String> {
     let value: Value = serde_json::from_str(text).ok()?;
-    Some(python_json(&value))
-}
-
-/// Prints like Python's `json.dumps(value, ensure_ascii=False)`, which is what
-/// Hugging Face's `tojson` does: `", "` between items, `": "` after keys. Numbers go
-/// through `f64`/`i64`, so exotic spellings (`1e5`, huge integers) may print
-/// differently from Python.
-fn python_json(value: &Value) -> String {
-    let mut out = String::new();
-    write_python_json(&mut out, value);
-    out
-}
-
-fn write_python_json(out: &mut String, value: &Value) {
-    match value {
-        Value::Array(items) => {
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                write_python_json(out, item);
-            }
-            out.push(']');
-        }
-        Value::Object(map) => {
-            out.push('{');
-            for (i, (key, item)) in map.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                write_json_string(out, key);
-                out.push_str(": ");
-                write_python_json(out, item);
-            }
-            out.push('}');
-        }
-        // Scalars print the same in both (serde_json escapes like Python does).
-        scalar => out.push_str(&scalar.to_string()),
-    }
-}
-
-fn write_json_string(out: &mut String, text: &str) {
-    out.push_str(&Value::String(text.to_string()).to_string());
+    Some(py_json(&value))
 }
 
 /// A `<tool_call>` whose close has not arrived yet (offsets into the whole text).
@@ -273,19 +231,9 @@ fn push_text(events: &mut Vec<ToolEvent>, text: &str) {
 /// Length of the tail of `text` that may still become a call's separator and opening:
 /// trailing whitespace, then a proper prefix of `<tool_call>`.
 fn held_tail_len(text: &str) -> usize {
-    let marker_prefix = (1..CALL_OPEN.len())
-        .rev()
-        .find(|&len| text.ends_with(&CALL_OPEN[..len]))
-        .unwrap_or(0);
+    let marker_prefix = held_tail(text, CALL_OPEN);
     let before = &text[..text.len() - marker_prefix];
     marker_prefix + before.len() - before.trim_end().len()
-}
-
-fn floor_char_boundary(text: &str, mut index: usize) -> usize {
-    while !text.is_char_boundary(index) {
-        index -= 1;
-    }
-    index
 }
 
 /// `body` with the brackets it leaves open closed, when it ends outside a string:
@@ -349,6 +297,7 @@ fn parse_call_body(body: &str) -> Result<ParsedCall, String> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::markup::test_support;
     use super::*;
 
     fn spec(name: &str, description: &str, parameters: &str) -> ToolSpec {
@@ -375,70 +324,17 @@ mod tests {
         }
     }
 
-    /// Events with adjacent texts merged: what must not depend on the chunking.
-    fn normalised(events: Vec<ToolEvent>) -> Vec<ToolEvent> {
-        let mut out: Vec<ToolEvent> = Vec::new();
-        for event in events {
-            match (out.last_mut(), event) {
-                (Some(ToolEvent::Text(last)), ToolEvent::Text(more)) => last.push_str(&more),
-                (_, event) => out.push(event),
-            }
-        }
-        out
-    }
-
     fn parse_in_chunks(chunks: &[&str]) -> (Vec<ToolEvent>, ParsedTurn) {
-        let mut parser = Hermes.parser(&[]);
-        let mut events = Vec::new();
-        for chunk in chunks {
-            events.extend(parser.push(chunk));
-        }
-        let (tail, turn) = parser.finish();
-        events.extend(tail);
-        (normalised(events), turn)
+        test_support::run(&Hermes, &[], chunks)
     }
 
     fn parse_whole(text: &str) -> (Vec<ToolEvent>, ParsedTurn) {
         parse_in_chunks(&[text])
     }
 
-    /// Splits at char boundaries with a small deterministic generator.
-    fn random_chunks(text: &str, seed: u64) -> Vec<&str> {
-        let mut state = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        let mut chunks = Vec::new();
-        let mut start = 0;
-        while start < text.len() {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            let mut end = (start + 1 + (state >> 33) as usize % 7).min(text.len());
-            while !text.is_char_boundary(end) {
-                end += 1;
-            }
-            chunks.push(&text[start..end]);
-            start = end;
-        }
-        chunks
-    }
-
     /// One-shot, char-by-char and random chunkings all agree; returns the one-shot result.
     fn parse_every_way(text: &str) -> (Vec<ToolEvent>, ParsedTurn) {
-        let whole = parse_whole(text);
-        let chars: Vec<String> = text.chars().map(String::from).collect();
-        let chars: Vec<&str> = chars.iter().map(String::as_str).collect();
-        assert_eq!(parse_in_chunks(&chars), whole, "char by char: {text:?}");
-        for seed in 0..20 {
-            assert_eq!(
-                parse_in_chunks(&random_chunks(text, seed)),
-                whole,
-                "seed {seed}: {text:?}"
-            );
-        }
-        let turn = &whole.1;
-        assert_eq!(format!("{}{}", turn.content, turn.calls_raw), text);
-        whole
+        test_support::parse(&Hermes, &[], text)
     }
 
     #[test]
@@ -461,7 +357,7 @@ mod tests {
     }
 
     #[test]
-    fn tools_block_is_qwen25_text_with_python_json() {
+    fn tools_block_is_qwen25_text_with_py_json() {
         let block = Hermes.tools_block(&[spec(
             "get_weather",
             "Weather — now",
