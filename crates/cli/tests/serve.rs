@@ -338,12 +338,7 @@ fn a_client_that_disconnects_mid_stream_cancels_and_leaves_the_session_usable() 
 fn restart_resumes_from_the_disk_checkpoint_with_identical_output() {
     let dir = temp_dir("restart");
     let kv = dir.join("kv");
-    let args = [
-        "--kv-disk-dir",
-        kv.to_str().unwrap(),
-        "--kv-cache-min-tokens",
-        "16",
-    ];
+    let args = kv_flags(&kv);
     let turn1 = json!([{ "role": "user", "content": "What is the capital of France?" }]);
     let srv = Server::start(&args);
     let a = post(

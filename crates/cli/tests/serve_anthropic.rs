@@ -215,12 +215,7 @@ fn messages_answer_stream_and_count_tokens() {
 fn checkpoint_writes_and_reads_show_in_the_cache_fields() {
     let dir = temp_dir("kv");
     let kv = dir.join("kv");
-    let srv = Server::start(&[
-        "--kv-disk-dir",
-        kv.to_str().unwrap(),
-        "--kv-cache-min-tokens",
-        "16",
-    ]);
+    let srv = Server::start(&kv_flags(&kv));
     let p = srv.port;
     let total = n(&post(
         p,
@@ -383,12 +378,7 @@ fn x_api_key_is_checked_and_refusals_have_anthropic_shape() {
 fn a_cache_control_breakpoint_is_checkpointed_and_reused_after_a_restart() {
     let dir = temp_dir("kv-hint");
     let kv = dir.join("kv");
-    let args = [
-        "--kv-disk-dir",
-        kv.to_str().unwrap(),
-        "--kv-cache-min-tokens",
-        "16",
-    ];
+    let args = kv_flags(&kv);
     let system = json!([{ "type": "text", "cache_control": { "type": "ephemeral" },
         "text": "You are the keeper's logbook. Answer in one short sentence. ".repeat(6) }]);
     let ask = |q: &str| {

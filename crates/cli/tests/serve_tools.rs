@@ -159,12 +159,7 @@ fn anthropic_and_responses_stream_forced_calls_as_their_own_events() {
 fn exact_tool_text_survives_a_restart_with_the_checkpoint() {
     let dir = temp_dir("tools-kv");
     let kv = dir.join("kv");
-    let args = [
-        "--kv-disk-dir",
-        kv.to_str().unwrap(),
-        "--kv-cache-min-tokens",
-        "16",
-    ];
+    let args = kv_flags(&kv);
     let srv = Server::start(&args);
     let (call, turn1) = forced_call(srv.port);
     // The shutdown checkpoint holds the tool-call turn and its id map.

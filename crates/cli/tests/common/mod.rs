@@ -161,6 +161,16 @@ pub fn temp_dir(tag: &str) -> PathBuf {
     d
 }
 
+/// Serve flags for a checkpoint store in `kv` that saves from 16 tokens on.
+pub fn kv_flags(kv: &std::path::Path) -> [&str; 4] {
+    [
+        "--kv-disk-dir",
+        kv.to_str().unwrap(),
+        "--kv-cache-min-tokens",
+        "16",
+    ]
+}
+
 /// The `(event, data)` pairs of an SSE body (comments skipped).
 pub fn sse_events(body: &str) -> Vec<(String, Value)> {
     body.split("\n\n")
