@@ -52,10 +52,30 @@ impl Rope {
     /// Rotates adjacent pairs `(2i, 2i+1)` of the first `n_rot` dims of every head
     /// (ggml's "normal" mode, which GGUF llama weights are permuted for).
     pub fn apply_interleaved(&self, x: &mut [f32], head_dim: usize, pos: usize) {
+        let mut sc = vec![(0.0, 0.0); self.inv_freq.len()];
+        self.angles(pos, &mut sc);
+        Self::rotate(x, head_dim, &sc);
+    }
+
+    /// Pairs pulled out of the head loop: `n_rot / 2` per position.
+    pub fn n_pairs(&self) -> usize {
+        self.inv_freq.len()
+    }
+
+    /// `(sin, cos)` of every pair's angle at `pos` (computed in f64, rounded to
+    /// f32), for [`rotate`](Self::rotate): once per position, shared by every head
+    /// and layer.
+    pub fn angles(&self, pos: usize, out: &mut [(f32, f32)]) {
+        for (o, &f) in out.iter_mut().zip(&self.inv_freq) {
+            let (s, c) = (pos as f64 * f).sin_cos();
+            *o = (s as f32, c as f32);
+        }
+    }
+
+    /// [`apply_interleaved`](Self::apply_interleaved) with precomputed angles.
+    pub fn rotate(x: &mut [f32], head_dim: usize, sc: &[(f32, f32)]) {
         for head in x.chunks_exact_mut(head_dim) {
-            for (i, &f) in self.inv_freq.iter().enumerate() {
-                let (s, c) = (pos as f64 * f).sin_cos();
-                let (s, c) = (s as f32, c as f32);
+            for (i, &(s, c)) in sc.iter().enumerate() {
                 let (a, b) = (head[2 * i], head[2 * i + 1]);
                 head[2 * i] = a * c - b * s;
                 head[2 * i + 1] = a * s + b * c;

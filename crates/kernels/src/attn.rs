@@ -71,7 +71,7 @@ pub(crate) const EXP_P: [f32; 6] = [
     8.333_452e-3,
     4.166_579_6e-2,
     1.666_666_5e-1,
-    5.000_000_1e-1,
+    0.5,
 ];
 
 /// `e^x` as the attention kernels compute it (see the module docs); the AVX2

@@ -199,6 +199,8 @@ pub(crate) struct Scratch {
     gate: Vec<f32>,
     up: Vec<f32>,
     ffn_out: Vec<f32>,
+    /// RoPE `(sin, cos)` per token and pair, computed once per forward.
+    rope: Vec<(f32, f32)>,
     acts: Activations,
 }
 
@@ -217,6 +219,7 @@ impl Scratch {
             gate: vec![0.0; b * hp.n_ff],
             up: vec![0.0; b * hp.n_ff],
             ffn_out: vec![0.0; b * hp.n_embd],
+            rope: vec![(0.0, 0.0); b * hp.n_rot / 2],
             acts: Activations::new(b * hp.n_ff.max(hp.n_embd_q()).max(hp.n_embd)),
         }
     }
@@ -251,6 +254,11 @@ pub(crate) fn forward(
         }
     }
 
+    let n_pairs = w.rope.n_pairs();
+    let angles = &mut s.rope[..nt * n_pairs];
+    for (t, a) in angles.chunks_exact_mut(n_pairs.max(1)).enumerate() {
+        w.rope.angles(pos0 + t, a);
+    }
     let stride = state.layer_stride(hp);
     for (il, lw) in w.layers.iter().enumerate() {
         let xn = &mut s.xn[..nt * n_embd];
@@ -273,11 +281,9 @@ pub(crate) fn forward(
             &mut [&mut *q, &mut *k, &mut *v],
         );
         for t in 0..nt {
-            let pos = pos0 + t;
-            w.rope
-                .apply_interleaved(&mut q[t * n_q..(t + 1) * n_q], hd, pos);
-            w.rope
-                .apply_interleaved(&mut k[t * n_kv..(t + 1) * n_kv], hd, pos);
+            let a = &s.rope[t * n_pairs..(t + 1) * n_pairs];
+            Rope::rotate(&mut q[t * n_q..(t + 1) * n_q], hd, a);
+            Rope::rotate(&mut k[t * n_kv..(t + 1) * n_kv], hd, a);
         }
         let att = &mut s.att[..nt * n_q];
         let layer = il * stride..(il + 1) * stride;
