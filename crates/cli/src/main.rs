@@ -77,7 +77,7 @@ pub struct ModelArgs {
     #[arg(long)]
     pub q8_activations: bool,
     /// K/V cache element type: f32, or f16 (half the memory, attention reads and
-    /// checkpoint size; log-probabilities move by about 1e-3). Checkpoints load only
+    /// checkpoint size; log-probabilities move by up to ~0.01). Checkpoints load only
     /// into sessions of the same type.
     #[arg(long, value_name = "f32|f16", default_value = "f32")]
     pub kv_type: ds4_engine::KvType,
