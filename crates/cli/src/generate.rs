@@ -120,6 +120,7 @@ pub fn load(a: &ModelArgs) -> Result<Loaded> {
         n_ctx: a.ctx,
         prefill_chunk: a.prefill_chunk,
         precision: a.precision(),
+        kv_type: a.kv_type,
     };
     let session = Session::new(
         Arc::clone(&model),

@@ -76,6 +76,11 @@ pub struct ModelArgs {
     /// llama.cpp's CPU path does (its numerics; less accurate than the default).
     #[arg(long)]
     pub q8_activations: bool,
+    /// K/V cache element type: f32, or f16 (half the memory, attention reads and
+    /// checkpoint size; log-probabilities move by up to ~0.01). Checkpoints load only
+    /// into sessions of the same type.
+    #[arg(long, value_name = "f32|f16", default_value = "f32")]
+    pub kv_type: ds4_engine::KvType,
     /// Tokens per prefill chunk.
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,

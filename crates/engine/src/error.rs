@@ -39,6 +39,11 @@ pub enum EngineError {
     NoLogits,
     #[error("cannot rewind to {to} tokens: the session holds {len}")]
     RewindBeyondEnd { to: usize, len: usize },
+    #[error("session payload holds {payload} K/V; this session stores {session} (--kv-type)")]
+    KvTypeMismatch {
+        payload: crate::session::KvType,
+        session: crate::session::KvType,
+    },
     #[error("session payload: {reason}")]
     Payload { reason: String },
     #[error("prefill cancelled after {done} of {total} tokens")]

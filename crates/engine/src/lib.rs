@@ -18,5 +18,5 @@ pub use model::{Fingerprint, HParams, Model};
 pub use ops::Precision;
 pub use payload::{PayloadHeader, PAYLOAD_MAGIC, PAYLOAD_VERSION};
 pub use sampler::{Sampler, SamplerConfig};
-pub use session::{Session, SessionOptions, Snapshot};
+pub use session::{KvType, Session, SessionOptions, Snapshot};
 pub use tokenizer::Tokenizer;

@@ -2,6 +2,7 @@
 //! attention over a per-head K/V cache, SwiGLU, and projection through a weight
 //! matrix in either precision.
 
+use ds4_kernels::attn::{attn_tile_f32, exp_ref, AsF32Rows, Running};
 use ds4_kernels::matmul::{matmul, matmul_f32, matmul_fast, F32Dot, WeightMatrix};
 use ds4_kernels::pool::ThreadPool;
 use ds4_kernels::{ActivationFormat, QuantizedActivations};
@@ -51,10 +52,30 @@ impl Rope {
     /// Rotates adjacent pairs `(2i, 2i+1)` of the first `n_rot` dims of every head
     /// (ggml's "normal" mode, which GGUF llama weights are permuted for).
     pub fn apply_interleaved(&self, x: &mut [f32], head_dim: usize, pos: usize) {
+        let mut sc = vec![(0.0, 0.0); self.inv_freq.len()];
+        self.angles(pos, &mut sc);
+        Self::rotate(x, head_dim, &sc);
+    }
+
+    /// Pairs pulled out of the head loop: `n_rot / 2` per position.
+    pub fn n_pairs(&self) -> usize {
+        self.inv_freq.len()
+    }
+
+    /// `(sin, cos)` of every pair's angle at `pos` (computed in f64, rounded to
+    /// f32), for [`rotate`](Self::rotate): once per position, shared by every head
+    /// and layer.
+    pub fn angles(&self, pos: usize, out: &mut [(f32, f32)]) {
+        for (o, &f) in out.iter_mut().zip(&self.inv_freq) {
+            let (s, c) = (pos as f64 * f).sin_cos();
+            *o = (s as f32, c as f32);
+        }
+    }
+
+    /// [`apply_interleaved`](Self::apply_interleaved) with precomputed angles.
+    pub fn rotate(x: &mut [f32], head_dim: usize, sc: &[(f32, f32)]) {
         for head in x.chunks_exact_mut(head_dim) {
-            for (i, &f) in self.inv_freq.iter().enumerate() {
-                let (s, c) = (pos as f64 * f).sin_cos();
-                let (s, c) = (s as f32, c as f32);
+            for (i, &(s, c)) in sc.iter().enumerate() {
                 let (a, b) = (head[2 * i], head[2 * i + 1]);
                 head[2 * i] = a * c - b * s;
                 head[2 * i + 1] = a * s + b * c;
@@ -147,8 +168,9 @@ const _: () = assert!(ATTN_SEG.is_multiple_of(ATTN_TILE));
 /// Causal attention for a batch of query rows at positions `pos0..pos0 + n_tokens`.
 ///
 /// `q` is `[n_tokens][n_head][head_dim]`; `k_cache`/`v_cache` are
-/// `[n_head_kv][n_ctx][head_dim]` and already hold every position up to the last
-/// query. Each query attends to positions `0..=its own`. Output like `q`.
+/// `[n_head_kv][n_ctx][head_dim]` (f32, or f16 bits) and already hold every
+/// position up to the last query. Each query attends to positions `0..=its own`.
+/// Output like `q`.
 ///
 /// Work items are (kv head, block of query tokens, segment of [`ATTN_SEG`]
 /// positions); an item walks its segment in tiles of [`ATTN_TILE`] positions with
@@ -156,13 +178,15 @@ const _: () = assert!(ATTN_SEG.is_multiple_of(ATTN_TILE));
 /// block and of the head group. Each query's segments are then merged in segment
 /// order. Segments and tiles sit at fixed absolute positions and each query's
 /// arithmetic is the same however the tokens are batched, so chunked prefill and
-/// token-by-token decoding agree bit for bit.
+/// token-by-token decoding agree bit for bit. A tile step is
+/// `ds4_kernels::attn::attn_tile_f32` (SIMD scores, exp and V accumulation, equal
+/// bit for bit to its scalar reference), after f16 rows are widened (exactly).
 #[allow(clippy::too_many_arguments)]
-pub fn attention(
+pub fn attention<T: AsF32Rows>(
     pool: &ThreadPool,
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[T],
+    v_cache: &[T],
     n_ctx: usize,
     n_head: usize,
     n_head_kv: usize,
@@ -240,7 +264,7 @@ fn merge_segments(
             continue;
         }
         let mn = m.max(ms);
-        let (a, b) = ((m - mn).exp(), (ms - mn).exp());
+        let (a, b) = (exp_ref(m - mn), exp_ref(ms - mn));
         l = l * a + ls * b;
         for (d, &s) in dst.iter_mut().zip(acc) {
             *d = *d * a + s * b;
@@ -256,10 +280,10 @@ fn merge_segments(
 /// unnormalized outputs followed by each query's `(max, sum)`; a query that sees
 /// no position of the segment gets `(-inf, 0)`.
 #[allow(clippy::too_many_arguments)]
-fn attend_block(
+fn attend_block<T: AsF32Rows>(
     q: &[f32],
-    ks: &[f32],
-    vs: &[f32],
+    ks: &[T],
+    vs: &[T],
     (t0, t1): (usize, usize),
     (kvh, group, n_head, head_dim): (usize, usize, usize, usize),
     pos0: usize,
@@ -270,65 +294,58 @@ fn attend_block(
     let n_q = (t1 - t0) * group;
     let bq = o.len() / (head_dim + 2);
     let (acc_all, ml) = o.split_at_mut(bq * head_dim);
-    ATTN_STATE.with_borrow_mut(|(running, scores)| {
+    ATTN_STATE.with_borrow_mut(|st| {
+        let AttnState {
+            running,
+            scores,
+            k_buf,
+            v_buf,
+        } = st;
         running.clear();
-        running.resize(n_q, (f32::NEG_INFINITY, 0.0));
+        running.resize(n_q, Running::default());
         scores.resize(ATTN_TILE, 0.0);
         acc_all[..n_q * head_dim].fill(0.0);
         for tile in (p0..p1).step_by(ATTN_TILE) {
-            for (qi, (m, l)) in running.iter_mut().enumerate() {
+            // Every query's tile ends at or before `tile_end` (`p1` is the block's
+            // causal limit, and segments are whole tiles).
+            let tile_end = (tile + ATTN_TILE).min(p1);
+            let kt = T::as_f32_rows(&ks[tile * head_dim..tile_end * head_dim], k_buf);
+            let vt = T::as_f32_rows(&vs[tile * head_dim..tile_end * head_dim], v_buf);
+            for (qi, run) in running.iter_mut().enumerate() {
                 let (t, g) = (t0 + qi / group, qi % group);
                 let limit = pos0 + t + 1;
                 if tile >= limit {
                     continue;
                 }
-                let end = (tile + ATTN_TILE).min(limit);
+                let len = ((tile + ATTN_TILE).min(limit) - tile) * head_dim;
                 let qv = &q[(t * n_head + kvh * group + g) * head_dim..][..head_dim];
-                let sc = &mut scores[..end - tile];
-                for (s, k) in sc
-                    .iter_mut()
-                    .zip(ks[tile * head_dim..end * head_dim].chunks_exact(head_dim))
-                {
-                    *s = ds4_kernels::f32::vec_dot_f32(qv, k) * scale;
-                }
-                let tile_max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let m_new = m.max(tile_max);
                 let acc = &mut acc_all[qi * head_dim..(qi + 1) * head_dim];
-                if *m != f32::NEG_INFINITY {
-                    let corr = (*m - m_new).exp();
-                    *l *= corr;
-                    acc.iter_mut().for_each(|a| *a *= corr);
-                }
-                for (&s, v) in sc
-                    .iter()
-                    .zip(vs[tile * head_dim..end * head_dim].chunks_exact(head_dim))
-                {
-                    let w = (s - m_new).exp();
-                    *l += w;
-                    for (a, &vi) in acc.iter_mut().zip(v) {
-                        *a += w * vi;
-                    }
-                }
-                *m = m_new;
+                attn_tile_f32(qv, &kt[..len], &vt[..len], scale, run, acc, scores);
             }
         }
-        for (qi, &(m, l)) in running.iter().enumerate() {
-            ml[2 * qi] = m;
-            ml[2 * qi + 1] = l;
+        for (qi, r) in running.iter().enumerate() {
+            ml[2 * qi] = r.m;
+            ml[2 * qi + 1] = r.l;
         }
     });
 }
 
-/// Running (max, sum) of each query of a work item, and one tile's scores.
-type AttnState = (Vec<(f32, f32)>, Vec<f32>);
+/// Per-thread attention scratch: each query's running (max, sum), one tile's
+/// scores, and one tile of K and V rows widened to f32 (f16 caches only).
+#[derive(Default)]
+struct AttnState {
+    running: Vec<Running>,
+    scores: Vec<f32>,
+    k_buf: Vec<f32>,
+    v_buf: Vec<f32>,
+}
 
 thread_local! {
     /// Per-item attention output, reused across calls (the decode loop allocates
     /// nothing once it has run).
     static ATTN_OUT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    /// Per-thread running (max, sum) per query and the scores of one tile.
     static ATTN_STATE: std::cell::RefCell<AttnState> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+        std::cell::RefCell::new(AttnState::default());
 }
 
 #[cfg(test)]

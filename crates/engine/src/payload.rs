@@ -10,10 +10,14 @@
 //! | n_layer, n_head_kv, head_dim, n_vocab | u32 each |
 //! | context size of the writer | u32 |
 //! | token count T | u32 |
-//! | state element type | u32 (0 = f32) |
+//! | K/V element type | u32 (0 = f32, 1 = f16) |
 //! | tokens | u32 × T |
 //! | next-token logits | f32 × n_vocab |
-//! | per layer: K then V | f32 × n_head_kv × T × head_dim each, positions in logical order |
+//! | per layer: K then V | f32 or f16 × n_head_kv × T × head_dim each, positions in logical order |
+//!
+//! A payload loads only into a session of the same K/V element type
+//! ([`EngineError::KvTypeMismatch`]): the values were rounded when stored, so
+//! converting would not give the state the other type's session computes.
 //!
 //! Written and read through caller-supplied buffered streams in large chunks; never
 //! mapped. A reader consumes exactly the bytes it expects and rejects anything else.
@@ -22,11 +26,11 @@ use std::io::{Read, Write};
 
 use crate::error::{EngineError, Result};
 use crate::model::HParams;
+use crate::session::KvType;
 
 pub const PAYLOAD_MAGIC: [u8; 4] = *b"DS4S";
 pub const PAYLOAD_VERSION: u32 = 1;
 const FAMILY_LLAMA: u32 = 1;
-const DTYPE_F32: u32 = 0;
 const HEADER_WORDS: usize = 10;
 /// Bytes converted per write or read call.
 const CHUNK: usize = 1 << 20;
@@ -40,10 +44,11 @@ pub struct PayloadHeader {
     pub n_vocab: u32,
     pub n_ctx: u32,
     pub n_tokens: u32,
+    pub kv_type: KvType,
 }
 
 impl PayloadHeader {
-    pub(crate) fn for_model(hp: &HParams, n_ctx: usize, n_tokens: usize) -> Self {
+    pub(crate) fn for_model(hp: &HParams, n_ctx: usize, n_tokens: usize, kv_type: KvType) -> Self {
         PayloadHeader {
             n_layer: hp.n_layer as u32,
             n_head_kv: hp.n_head_kv as u32,
@@ -51,6 +56,7 @@ impl PayloadHeader {
             n_vocab: hp.n_vocab as u32,
             n_ctx: n_ctx as u32,
             n_tokens: n_tokens as u32,
+            kv_type,
         }
     }
 
@@ -59,7 +65,8 @@ impl PayloadHeader {
         let t = u64::from(self.n_tokens);
         let state =
             2 * u64::from(self.n_layer) * u64::from(self.n_head_kv) * t * u64::from(self.head_dim);
-        4 + 4 * HEADER_WORDS as u64 + 4 * t + 4 * u64::from(self.n_vocab) + 4 * state
+        let elem = self.kv_type.bytes() as u64;
+        4 + 4 * HEADER_WORDS as u64 + 4 * t + 4 * u64::from(self.n_vocab) + elem * state
     }
 
     pub(crate) fn write(&self, w: &mut impl Write) -> Result<()> {
@@ -72,7 +79,7 @@ impl PayloadHeader {
             self.n_vocab,
             self.n_ctx,
             self.n_tokens,
-            DTYPE_F32,
+            self.kv_type.code(),
         ];
         w.write_all(&PAYLOAD_MAGIC).map_err(io)?;
         for x in words {
@@ -83,8 +90,8 @@ impl PayloadHeader {
     }
 
     /// Reads a header and checks that it describes a state of this model family
-    /// and shape.
-    pub(crate) fn read(r: &mut impl Read, hp: &HParams) -> Result<Self> {
+    /// and shape, with K/V stored as `kv_type`.
+    pub(crate) fn read(r: &mut impl Read, hp: &HParams, kv_type: KvType) -> Result<Self> {
         let mut magic = [0u8; 4];
         read_exact(r, &mut magic, "magic")?;
         if magic != PAYLOAD_MAGIC {
@@ -107,10 +114,16 @@ impl PayloadHeader {
                 "family {family} is not llama ({FAMILY_LLAMA})"
             )));
         }
-        if dtype != DTYPE_F32 {
+        let Some(found) = KvType::from_code(dtype) else {
             return Err(bad(format!(
-                "state element type {dtype} (this build stores f32 = 0)"
+                "K/V element type {dtype} (this build stores f32 = 0, f16 = 1)"
             )));
+        };
+        if found != kv_type {
+            return Err(EngineError::KvTypeMismatch {
+                payload: found,
+                session: kv_type,
+            });
         }
         let h = PayloadHeader {
             n_layer,
@@ -119,8 +132,9 @@ impl PayloadHeader {
             n_vocab,
             n_ctx,
             n_tokens,
+            kv_type,
         };
-        let mine = PayloadHeader::for_model(hp, n_ctx as usize, n_tokens as usize);
+        let mine = PayloadHeader::for_model(hp, n_ctx as usize, n_tokens as usize, kv_type);
         if h != mine {
             return Err(bad(format!(
                 "shape (layers {n_layer}, kv heads {n_head_kv}, head dim {head_dim}, vocab {n_vocab}) \
@@ -155,7 +169,7 @@ pub(crate) fn write_f32s(w: &mut impl Write, xs: &[f32]) -> Result<()> {
     write_pod(w, xs)
 }
 
-fn write_pod<T: bytemuck::Pod + ToLe>(w: &mut impl Write, xs: &[T]) -> Result<()> {
+pub(crate) fn write_pod<T: bytemuck::Pod + ToLe>(w: &mut impl Write, xs: &[T]) -> Result<()> {
     if cfg!(target_endian = "little") {
         for c in bytemuck::cast_slice::<T, u8>(xs).chunks(CHUNK) {
             w.write_all(c).map_err(io)?;
@@ -163,9 +177,9 @@ fn write_pod<T: bytemuck::Pod + ToLe>(w: &mut impl Write, xs: &[T]) -> Result<()
         return Ok(());
     }
     let mut buf = Vec::with_capacity(CHUNK);
-    for c in xs.chunks(CHUNK / 4) {
+    for c in xs.chunks(CHUNK / size_of::<T>()) {
         buf.clear();
-        c.iter().for_each(|x| buf.extend_from_slice(&x.to_le()));
+        c.iter().for_each(|x| x.put_le(&mut buf));
         w.write_all(&buf).map_err(io)?;
     }
     Ok(())
@@ -179,7 +193,11 @@ pub(crate) fn read_f32s(r: &mut impl Read, out: &mut [f32], what: &str) -> Resul
     read_pod(r, out, what)
 }
 
-fn read_pod<T: bytemuck::Pod + ToLe>(r: &mut impl Read, out: &mut [T], what: &str) -> Result<()> {
+pub(crate) fn read_pod<T: bytemuck::Pod + ToLe>(
+    r: &mut impl Read,
+    out: &mut [T],
+    what: &str,
+) -> Result<()> {
     for c in bytemuck::cast_slice_mut::<T, u8>(out).chunks_mut(CHUNK) {
         read_exact(r, c, what)?;
     }
@@ -190,23 +208,33 @@ fn read_pod<T: bytemuck::Pod + ToLe>(r: &mut impl Read, out: &mut [T], what: &st
 }
 
 /// Little-endian conversion of the element types a payload holds.
-trait ToLe: Copy {
-    fn to_le(self) -> [u8; 4];
+pub(crate) trait ToLe: Copy {
+    fn put_le(self, buf: &mut Vec<u8>);
     fn le_to_native(self) -> Self;
 }
 
 impl ToLe for u32 {
-    fn to_le(self) -> [u8; 4] {
-        self.to_le_bytes()
+    fn put_le(self, buf: &mut Vec<u8>) {
+        buf.extend_from_slice(&self.to_le_bytes())
     }
     fn le_to_native(self) -> Self {
         u32::from_le(self)
     }
 }
 
+/// f16 bits.
+impl ToLe for u16 {
+    fn put_le(self, buf: &mut Vec<u8>) {
+        buf.extend_from_slice(&self.to_le_bytes())
+    }
+    fn le_to_native(self) -> Self {
+        u16::from_le(self)
+    }
+}
+
 impl ToLe for f32 {
-    fn to_le(self) -> [u8; 4] {
-        self.to_le_bytes()
+    fn put_le(self, buf: &mut Vec<u8>) {
+        buf.extend_from_slice(&self.to_le_bytes())
     }
     fn le_to_native(self) -> Self {
         f32::from_bits(u32::from_le(self.to_bits()))

@@ -13,6 +13,81 @@ use crate::models::llama::{self, LlamaState, Scratch};
 use crate::ops::Precision;
 use crate::payload::{self, PayloadHeader};
 
+/// How K and V rows are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvType {
+    /// f32: exactly what the projections computed.
+    #[default]
+    F32,
+    /// IEEE binary16, rounded to nearest even when stored: half the memory, half the
+    /// attention reads and half the checkpoint size.
+    F16,
+}
+
+impl KvType {
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F32 => "f32",
+            KvType::F16 => "f16",
+        }
+    }
+
+    /// Bytes per stored element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+        }
+    }
+
+    /// The fingerprint checkpoints of a session of this K/V type on `model` are
+    /// filed under ([`Session::state_fingerprint`]).
+    pub fn state_fingerprint(self, model: &crate::Fingerprint) -> [u8; 16] {
+        match self {
+            KvType::F32 => model.model,
+            KvType::F16 => {
+                let mut h = xxhash_rust::xxh3::Xxh3::new();
+                h.update(&model.model);
+                h.update(b"ds4 kv-type f16");
+                h.digest128().to_le_bytes()
+            }
+        }
+    }
+
+    /// The payload's code for it.
+    pub(crate) fn code(self) -> u32 {
+        match self {
+            KvType::F32 => 0,
+            KvType::F16 => 1,
+        }
+    }
+
+    pub(crate) fn from_code(c: u32) -> Option<Self> {
+        match c {
+            0 => Some(KvType::F32),
+            1 => Some(KvType::F16),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for KvType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for KvType {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(KvType::F32),
+            "f16" => Ok(KvType::F16),
+            _ => Err(format!("K/V type {s:?}: expected f32 or f16")),
+        }
+    }
+}
+
 /// Creation options of a [`Session`].
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
@@ -21,6 +96,8 @@ pub struct SessionOptions {
     /// Tokens per prefill chunk; bounds scratch memory.
     pub prefill_chunk: usize,
     pub precision: Precision,
+    /// K/V element type.
+    pub kv_type: KvType,
 }
 
 impl Default for SessionOptions {
@@ -29,6 +106,7 @@ impl Default for SessionOptions {
             n_ctx: 4096,
             prefill_chunk: 256,
             precision: Precision::Fast,
+            kv_type: KvType::F32,
         }
     }
 }
@@ -50,7 +128,7 @@ impl Session {
         let hp = &model.hparams;
         let n_ctx = opts.n_ctx.max(1);
         Session {
-            state: LlamaState::new(hp, n_ctx),
+            state: LlamaState::new(hp, n_ctx, opts.kv_type),
             scratch: Scratch::new(hp, opts.prefill_chunk.clamp(1, n_ctx)),
             logits: vec![0.0; hp.n_vocab],
             has_logits: false,
@@ -78,6 +156,19 @@ impl Session {
 
     pub fn n_ctx(&self) -> usize {
         self.state.n_ctx
+    }
+
+    /// How this session stores K and V.
+    pub fn kv_type(&self) -> KvType {
+        self.state.kv_type()
+    }
+
+    /// The model fingerprint this session's checkpoints are filed under: the
+    /// model's own for f32 K/V (so existing checkpoints stay valid), and for f16 a
+    /// hash of it and the K/V type, so that a store never offers a checkpoint of
+    /// one type to a session of the other.
+    pub fn state_fingerprint(&self) -> [u8; 16] {
+        self.kv_type().state_fingerprint(&self.model.fingerprint)
     }
 
     /// The exact token ids the state represents.
@@ -192,7 +283,12 @@ impl Session {
     }
 
     fn payload_header(&self) -> PayloadHeader {
-        PayloadHeader::for_model(&self.model.hparams, self.n_ctx(), self.tokens.len())
+        PayloadHeader::for_model(
+            &self.model.hparams,
+            self.n_ctx(),
+            self.tokens.len(),
+            self.kv_type(),
+        )
     }
 
     /// Writes the session (tokens, next-token logits, K/V of every position) as a
@@ -210,12 +306,13 @@ impl Session {
     }
 
     /// Replaces the session with a payload written by [`save_payload`](Self::save_payload)
-    /// for a model of the same family and shape. The payload must fit this
+    /// for a model of the same family and shape and with the same K/V type
+    /// ([`EngineError::KvTypeMismatch`] otherwise). The payload must fit this
     /// session's context and must end where its header says. On error the session
     /// is left empty, never half-loaded.
     pub fn load_payload(&mut self, r: &mut impl Read) -> Result<()> {
         self.reset();
-        let h = PayloadHeader::read(r, &self.model.hparams)?;
+        let h = PayloadHeader::read(r, &self.model.hparams, self.kv_type())?;
         let n = h.n_tokens as usize;
         if n == 0 || n > self.n_ctx() {
             return Err(payload::bad(format!(

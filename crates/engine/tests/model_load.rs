@@ -257,6 +257,7 @@ fn session(model: &Arc<Model>, chunk: usize, precision: Precision) -> Session {
         n_ctx: 64,
         prefill_chunk: chunk,
         precision,
+        ..SessionOptions::default()
     };
     Session::new(Arc::clone(model), Arc::new(ThreadPool::new(2)), &opts)
 }

@@ -6,7 +6,7 @@
 use std::sync::{Arc, OnceLock};
 
 use ds4_engine::sampler::argmax;
-use ds4_engine::{EngineError, Model, Precision, Session, SessionOptions, ThreadPool};
+use ds4_engine::{EngineError, KvType, Model, Precision, Session, SessionOptions, ThreadPool};
 
 const CHUNK: usize = 64;
 
@@ -32,10 +32,15 @@ fn prompt() -> Vec<u32> {
 }
 
 fn session(n_ctx: usize, precision: Precision) -> Session {
+    session_kv(n_ctx, precision, KvType::F32)
+}
+
+fn session_kv(n_ctx: usize, precision: Precision, kv_type: KvType) -> Session {
     let opts = SessionOptions {
         n_ctx,
         prefill_chunk: CHUNK,
         precision,
+        kv_type,
     };
     Session::new(model(), Arc::new(ThreadPool::new(2)), &opts)
 }
@@ -186,6 +191,59 @@ fn damaged_payloads_are_rejected_and_leave_the_session_empty() {
     let mut token = good.clone();
     token[44..48].copy_from_slice(&u32::MAX.to_le_bytes());
     check(&token, "outside the vocabulary");
+}
+
+/// f16 K/V: payloads are half the K/V bytes, round-trip bitwise, chunked prefill
+/// equals token-by-token decoding; a payload of the other K/V type is refused with
+/// the typed error and leaves the session empty.
+#[test]
+fn f16_payloads_round_trip_and_do_not_load_into_f32_sessions() {
+    let p = prompt();
+    let mut h = session_kv(512, Precision::Fast, KvType::F16);
+    h.prefill(&p[..3 * CHUNK + 5]).unwrap();
+    let mut hb = Vec::new();
+    h.save_payload(&mut hb).unwrap();
+    assert_eq!(hb.len() as u64, h.payload_bytes());
+    let mut f = session(512, Precision::Fast);
+    f.prefill(&p[..3 * CHUNK + 5]).unwrap();
+    let mut fb = Vec::new();
+    f.save_payload(&mut fb).unwrap();
+    let hp = &model().hparams;
+    let (l, kvh, hd, vocab) = (hp.n_layer, hp.n_head_kv, hp.head_dim, hp.n_vocab);
+    let [l, kvh, hd, vocab] = [l, kvh, hd, vocab].map(|x| x as u64);
+    let t = 3 * CHUNK as u64 + 5;
+    let fixed = 44 + 4 * t + 4 * vocab;
+    assert_eq!(fb.len() as u64 - fixed, 4 * 2 * l * kvh * t * hd);
+    assert_eq!(hb.len() as u64 - fixed, 2 * 2 * l * kvh * t * hd);
+    assert_ne!(h.state_fingerprint(), f.state_fingerprint());
+    assert_eq!(f.state_fingerprint(), model().fingerprint.model);
+
+    // Round trip, then the continuation is the uninterrupted one.
+    let mut h2 = session_kv(512, Precision::Fast, KvType::F16);
+    h2.load_payload(&mut hb.as_slice()).unwrap();
+    assert!(bits(&h2) == bits(&h));
+    // Token by token from the same prefix gives the same bits as chunked prefill.
+    let mut tbt = session_kv(512, Precision::Fast, KvType::F16);
+    for &t in &p[..3 * CHUNK + 5] {
+        tbt.decode_step(t).unwrap();
+    }
+    assert!(bits(&tbt) == bits(&h), "f16: chunked != token by token");
+    assert_eq!(greedy(&mut h2, 5), greedy(&mut h, 5));
+
+    for (bytes, into, want) in [
+        (&hb, KvType::F32, (KvType::F16, KvType::F32)),
+        (&fb, KvType::F16, (KvType::F32, KvType::F16)),
+    ] {
+        let mut s = session_kv(512, Precision::Fast, into);
+        s.prefill(&p[..5]).unwrap();
+        let e = s.load_payload(&mut bytes.as_slice()).unwrap_err();
+        assert!(
+            matches!(e, EngineError::KvTypeMismatch { payload, session } if (payload, session) == want),
+            "{e}"
+        );
+        assert!(e.to_string().contains("--kv-type"), "{e}");
+        assert!(s.tokens().is_empty() && s.logits().is_err());
+    }
 }
 
 /// A second session in the same state, built through the public payload API.

@@ -31,6 +31,7 @@
 //!   lengths agree: a mismatch there is a bug in the caller, not bad input.
 //!   Untrusted sizes go through the `Result`-returning front end here.
 
+pub mod attn;
 pub mod bf16;
 pub mod f16;
 pub mod f32;
@@ -97,7 +98,17 @@ pub(crate) struct Kernels {
     pub(crate) matvec_q8_0: fn(&[BlockQ8_0], &[f32], &mut [f32]),
     /// [`fast::gemm_tile_ref`].
     pub(crate) gemm_tile: fn(&[f32], &[f32], usize, &mut [f32]),
+    /// [`attn::exp_inplace_ref`].
+    pub(crate) exp_inplace: fn(&mut [f32]),
+    /// [`attn::attn_tile_ref`] over f32 rows.
+    pub(crate) attn_tile_f32: AttnTileFn,
+    /// [`attn::widen_f16_ref`].
+    pub(crate) widen_f16: fn(&[u16], &mut [f32]),
 }
+
+/// The signature of [`attn::attn_tile_f32`].
+pub(crate) type AttnTileFn =
+    fn(&[f32], &[f32], &[f32], f32, &mut attn::Running, &mut [f32], &mut [f32]);
 
 /// The scalar references: the lowest tier, available everywhere.
 pub(crate) static SCALAR: Kernels = Kernels {
@@ -116,6 +127,9 @@ pub(crate) static SCALAR: Kernels = Kernels {
     matvec_q4_1: fast::matvec_q4_1_ref,
     matvec_q8_0: fast::matvec_q8_0_ref,
     gemm_tile: fast::gemm_tile_ref,
+    exp_inplace: attn::exp_inplace_ref,
+    attn_tile_f32: attn::attn_tile_ref::<f32>,
+    widen_f16: attn::widen_f16_ref,
 };
 
 /// Every tier name, lowest first: what `DS4_KERNELS` accepts.

@@ -13,6 +13,10 @@ use std::thread::JoinHandle;
 /// Spin iterations before a worker parks; ~tens of microseconds, longer than the
 /// gap between two matmuls of one decode step.
 const SPIN_ITERS: u32 = 20_000;
+/// Spin iterations of `run`'s wait for the workers before it starts yielding its
+/// time slice: when the machine has more runnable threads than cores, a worker
+/// may be waiting for this core, and spinning on would only delay it.
+const WAIT_SPINS_BEFORE_YIELD: u32 = 2_000;
 
 type Job = dyn Fn(usize) + Sync;
 
@@ -97,8 +101,14 @@ impl ThreadPool {
             s.wake.notify_all();
         }
         let main_result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(0)));
+        let mut spins = 0u32;
         while s.pending.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
+            if spins < WAIT_SPINS_BEFORE_YIELD {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
         if let Err(p) = main_result {
             std::panic::resume_unwind(p);
@@ -275,6 +285,26 @@ mod tests {
         });
         let want: Vec<usize> = (0..7).flat_map(|c| [c + 1; 4]).collect();
         assert_eq!(v, want);
+    }
+
+    /// Cost of one empty dispatch (the synchronisation every matvec pays):
+    /// `cargo test --release -p ds4-kernels -- --ignored --nocapture bench_dispatch`.
+    #[test]
+    #[ignore]
+    fn bench_dispatch() {
+        for n in [1, 2] {
+            let pool = ThreadPool::new(n);
+            let hits = AtomicUsize::new(0);
+            let reps = 200_000;
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                pool.run(&|_| {
+                    hits.fetch_add(1, Ordering::Relaxed);
+                });
+            }
+            let ns = t.elapsed().as_nanos() as f64 / reps as f64;
+            println!("{n} threads: {ns:.0} ns per dispatch");
+        }
     }
 
     #[test]

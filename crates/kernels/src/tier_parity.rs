@@ -835,6 +835,121 @@ fn gemm_tiles_are_bit_identical_on_every_tier() {
     }
 }
 
+/// `exp` of the attention kernels: every tier equals `exp_ref` bit for bit, on
+/// random inputs over the whole range (large negative, -inf, the clamps, NaN).
+#[test]
+fn attention_exp_is_bit_identical_on_every_tier() {
+    use crate::attn::exp_ref;
+    let mut rng = XorShift::new(171);
+    let mut x: Vec<f32> = (0..20_000).map(|_| rng.uniform(-120.0, 100.0)).collect();
+    x.extend((0..5_000).map(|_| -rng.uniform(0.0, 30.0)));
+    x.extend((0..2_000).map(|_| rng.uniform(-1e-3, 1e-3)));
+    x.extend((0..2_000).map(|_| f32::from_bits(rng.next_u64() as u32)));
+    x.extend([
+        f32::NEG_INFINITY,
+        f32::INFINITY,
+        f32::NAN,
+        0.0,
+        -0.0,
+        -87.33654,
+        -87.3365,
+        -87.34,
+        88.0,
+        88.1,
+        f32::MIN,
+        f32::MAX,
+        -f32::MIN_POSITIVE,
+    ]);
+    let want: Vec<f32> = x.iter().map(|&v| exp_ref(v)).collect();
+    for k in available_tiers() {
+        // Every length, so each tail size is covered.
+        for len in [x.len(), 1, 7, 9, 15] {
+            let mut got = x[..len].to_vec();
+            (k.exp_inplace)(&mut got);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    same_bits(*g, *w),
+                    "[{}] exp({}) = {g}, want {w}",
+                    k.tier,
+                    x[i]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn widen_f16_is_bit_identical_on_every_tier() {
+    let mut rng = XorShift::new(172);
+    let h: Vec<u16> = (0..1003).map(|_| rng.next_u64() as u16).collect();
+    let mut want = vec![0.0; h.len()];
+    crate::attn::widen_f16_ref(&h, &mut want);
+    for k in available_tiers() {
+        let mut got = vec![f32::NAN; h.len()];
+        (k.widen_f16)(&h, &mut got);
+        for (g, w) in got.iter().zip(&want) {
+            assert!(same_bits(*g, *w), "[{}]", k.tier);
+        }
+    }
+}
+
+/// An attention tile step on every tier equals the reference bit for bit: every
+/// tile length up to 64 (each tail), several head sizes (a multiple of 8 or
+/// not), fresh and running states, scores far apart (weights underflowing to 0).
+#[test]
+fn attention_tiles_are_bit_identical_on_every_tier() {
+    use crate::attn::{attn_tile_ref, Running};
+    let mut rng = XorShift::new(173);
+    for hd in [8, 12, 64, 128] {
+        for n in (1..=64).chain([100]) {
+            for (spread, fresh) in [(1.0, true), (4.0, false), (60.0, false)] {
+                let q = rng.vec_uniform(hd, -spread, spread);
+                let kr = rng.vec_uniform(n * hd, -1.0, 1.0);
+                let vr = rng.vec_uniform(n * hd, -2.0, 2.0);
+                let st0 = if fresh {
+                    Running::default()
+                } else {
+                    Running {
+                        m: rng.uniform(-3.0, 6.0),
+                        l: rng.uniform(0.5, 20.0),
+                    }
+                };
+                let acc0 = if fresh {
+                    vec![0.0; hd]
+                } else {
+                    rng.vec_uniform(hd, -5.0, 5.0)
+                };
+                let scale = 1.0 / (hd as f32).sqrt();
+                let (mut st_w, mut acc_w, mut sc) = (st0, acc0.clone(), vec![0.0; n]);
+                attn_tile_ref(&q, &kr, &vr, scale, &mut st_w, &mut acc_w, &mut sc);
+                for k in available_tiers() {
+                    let (mut st, mut acc, mut sc) = (st0, acc0.clone(), vec![0.0; n + 3]);
+                    (k.attn_tile_f32)(&q, &kr, &vr, scale, &mut st, &mut acc, &mut sc);
+                    let what = format!("[{}] hd {hd}, n {n}, spread {spread}", k.tier);
+                    assert_eq!(st.m.to_bits(), st_w.m.to_bits(), "{what}: m");
+                    assert_eq!(st.l.to_bits(), st_w.l.to_bits(), "{what}: l");
+                    assert_eq!(bits(&acc), bits(&acc_w), "{what}: acc");
+                }
+                // The f16 path: widen (exact), then the f32 tile, equals the
+                // reference run on the f16 rows directly.
+                let kh: Vec<u16> = kr.iter().map(|&x| crate::attn::KvElem::narrow(x)).collect();
+                let vh: Vec<u16> = vr.iter().map(|&x| crate::attn::KvElem::narrow(x)).collect();
+                let (mut st_h, mut acc_h) = (st0, acc0.clone());
+                attn_tile_ref(&q, &kh, &vh, scale, &mut st_h, &mut acc_h, &mut sc);
+                for k in available_tiers() {
+                    let (mut kf, mut vf) = (vec![0.0; kh.len()], vec![0.0; vh.len()]);
+                    (k.widen_f16)(&kh, &mut kf);
+                    (k.widen_f16)(&vh, &mut vf);
+                    let (mut st, mut acc) = (st0, acc0.clone());
+                    (k.attn_tile_f32)(&q, &kf, &vf, scale, &mut st, &mut acc, &mut sc);
+                    assert_eq!(st.l.to_bits(), st_h.l.to_bits(), "[{}] f16 l", k.tier);
+                    assert_eq!(bits(&acc), bits(&acc_h), "[{}] f16 acc", k.tier);
+                }
+            }
+        }
+    }
+}
+
 /// Timings of the fast path's kernels against the dequantize-then-dot they
 /// replace: `cargo test --release -p ds4-kernels -- --ignored --nocapture bench_fast`.
 #[test]

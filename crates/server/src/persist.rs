@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use ds4_engine::{EngineError, Session};
+use ds4_engine::{EngineError, KvType, Session};
 use std::sync::Arc;
 
 use ds4_kvstore::{
@@ -44,15 +44,26 @@ pub struct Persist {
     pub last_file: Option<std::path::PathBuf>,
     /// Exact tool-call text saved with checkpoints and reloaded on a hit.
     pub tool_memory: Option<Arc<ToolMemory>>,
+    /// The session's K/V type, and the identity of checkpoints of the other type.
+    kv_type: KvType,
+    other_kv: (KvType, ModelId),
+    /// Restores that missed although a checkpoint of the other K/V type matched.
+    pub kv_type_skips: u64,
 }
 
 impl Persist {
     pub fn new(store: Store, session: &Session) -> Self {
         let fp = session.model().fingerprint;
+        let other = match session.kv_type() {
+            KvType::F32 => KvType::F16,
+            KvType::F16 => KvType::F32,
+        };
         Persist {
             store,
             model: ModelId {
-                model_fp: fp.model,
+                // Differs per K/V type: an f16 checkpoint is never offered to an
+                // f32 session, nor the reverse (`Session::state_fingerprint`).
+                model_fp: session.state_fingerprint(),
                 quant_fp: fp.quant,
             },
             continued_frontier: 0,
@@ -60,6 +71,15 @@ impl Persist {
             evictions: 0,
             last_file: None,
             tool_memory: None,
+            kv_type: session.kv_type(),
+            other_kv: (
+                other,
+                ModelId {
+                    model_fp: other.state_fingerprint(&fp),
+                    quant_fp: fp.quant,
+                },
+            ),
+            kv_type_skips: 0,
         }
     }
 
@@ -103,7 +123,10 @@ impl Persist {
             .lookup(prompt, &self.model, session.n_ctx() as u32)
         {
             Ok(Some(c)) if c.header.tokens as usize >= self.policy().min_tokens => c,
-            Ok(_) => return 0,
+            Ok(_) => {
+                self.notice_other_kv_type(prompt, session.n_ctx());
+                return 0;
+            }
             Err(e) => {
                 eprintln!("kv cache lookup failed: {e}");
                 return 0;
@@ -148,6 +171,24 @@ impl Persist {
             cand.path.display()
         );
         loaded.text.len()
+    }
+
+    /// After a miss: says so when a checkpoint of the other K/V type would have
+    /// matched (it is never loaded: its rows were rounded differently).
+    fn notice_other_kv_type(&mut self, prompt: &[u8], n_ctx: usize) {
+        let (other, id) = self.other_kv;
+        if let Ok(Some(c)) = self.store.lookup(prompt, &id, n_ctx as u32) {
+            if c.header.tokens as usize >= self.policy().min_tokens {
+                self.kv_type_skips += 1;
+                eprintln!(
+                    "kv cache: skipped {} ({} tokens): saved with {other} K/V, this session \
+                     stores {} (--kv-type)",
+                    c.path.display(),
+                    c.header.tokens,
+                    self.kv_type
+                );
+            }
+        }
     }
 
     /// Prefills `ids` onto the session, stopping where a cold save (when
@@ -273,5 +314,68 @@ impl Persist {
             ),
         }
         self.evictions += report_notices(&self.store);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use ds4_engine::{Model, Precision, SessionOptions, ThreadPool};
+    use ds4_kvstore::{SaveReason, StoreConfig};
+
+    use super::*;
+
+    fn session(model: &Arc<Model>, kv_type: KvType) -> Session {
+        let opts = SessionOptions {
+            n_ctx: 1024,
+            prefill_chunk: 256,
+            precision: Precision::Fast,
+            kv_type,
+        };
+        Session::new(Arc::clone(model), Arc::new(ThreadPool::new(1)), &opts)
+    }
+
+    /// A checkpoint saved by an f16 session is skipped (with a notice) by an f32
+    /// session's restore, which starts cold; and the reverse; a session of the
+    /// saving type restores it.
+    #[test]
+    fn checkpoints_of_the_other_kv_type_are_skipped() {
+        let model = Arc::new(
+            Model::load(ds4_testdata::model_path(ds4_testdata::SMOLLM2)).expect("loading SmolLM2"),
+        );
+        let text = "The quick brown fox jumps over the lazy dog. ".repeat(70);
+        let ids = model.tokenizer.encode(&text, true, true);
+        assert!(ids.len() >= 600, "{} tokens", ids.len());
+        for saver in [KvType::F16, KvType::F32] {
+            let dir = std::env::temp_dir()
+                .join(format!("ds4-persist-kvtype-{}-{saver}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            let open = || Store::open(&dir, StoreConfig::default()).unwrap();
+            let mut s = session(&model, saver);
+            s.prefill(&ids).unwrap();
+            let mut p = Persist::new(open(), &s);
+            p.save(&s, SaveReason::Shutdown);
+            assert_eq!(p.store_usage().0, 1, "{saver}: saved");
+            let prompt = model.tokenizer.decode(s.tokens(), true);
+
+            let other = if saver == KvType::F16 {
+                KvType::F32
+            } else {
+                KvType::F16
+            };
+            let mut o = session(&model, other);
+            let mut po = Persist::new(open(), &o);
+            assert_eq!(po.restore(&mut o, &prompt), 0, "{saver} into {other}");
+            assert!(o.tokens().is_empty());
+            assert_eq!(po.kv_type_skips, 1);
+
+            let mut same = session(&model, saver);
+            let mut ps = Persist::new(open(), &same);
+            assert_eq!(ps.restore(&mut same, &prompt), prompt.len());
+            assert_eq!(same.tokens(), s.tokens());
+            assert_eq!(ps.kv_type_skips, 0);
+            let _ = std::fs::remove_dir_all(&dir);
+        }
     }
 }

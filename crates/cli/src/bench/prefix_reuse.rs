@@ -22,6 +22,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         n_ctx,
         prefill_chunk: a.model.prefill_chunk,
         precision: a.model.precision(),
+        kv_type: a.model.kv_type,
     };
     let (dir, temporary) = match &a.kv_disk_dir {
         Some(d) => (d.clone(), false),
@@ -93,7 +94,7 @@ fn measure(
     )?;
     let text = model.tokenizer.decode(cold.tokens(), true);
     let id = ModelId {
-        model_fp: model.fingerprint.model,
+        model_fp: cold.state_fingerprint(),
         quant_fp: model.fingerprint.quant,
     };
     let t = Instant::now();

@@ -10,12 +10,14 @@
 //! `ffn_gate`/`ffn_up [n_embd, n_ff]`, `ffn_down [n_ff, n_embd]`.
 
 use ds4_gguf::Gguf;
+use ds4_kernels::attn::AsF32Rows;
 use ds4_kernels::pool::ThreadPool;
 
 use crate::error::Result;
 use crate::model::{Binder, HParams, Model, TensorRef};
 use crate::ops::{attention, project, rms_norm, swiglu, Activations, Precision, Rope};
 use crate::payload;
+use crate::session::KvType;
 
 pub(crate) struct LayerWeights {
     attn_norm: Vec<f32>,
@@ -75,21 +77,46 @@ impl LlamaWeights {
     }
 }
 
+/// K and V rows of one element type.
+pub(crate) struct KvRows<T> {
+    pub k: Vec<T>,
+    pub v: Vec<T>,
+}
+
+/// The K/V cache in its element type.
+pub(crate) enum KvCache {
+    F32(KvRows<f32>),
+    /// f16 bits.
+    F16(KvRows<u16>),
+}
+
 /// Per-layer K and V rows: `[n_layer][n_head_kv][n_ctx][head_dim]`, so one head's
-/// history is contiguous for attention.
+/// history is contiguous for attention; f32, or f16 (rounded when stored).
 pub(crate) struct LlamaState {
     pub n_ctx: usize,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
+    pub kv: KvCache,
 }
 
 impl LlamaState {
-    pub fn new(hp: &HParams, n_ctx: usize) -> Self {
+    pub fn new(hp: &HParams, n_ctx: usize, kv_type: KvType) -> Self {
         let n = hp.n_layer * hp.n_embd_kv() * n_ctx;
-        LlamaState {
-            n_ctx,
-            k: vec![0.0; n],
-            v: vec![0.0; n],
+        let kv = match kv_type {
+            KvType::F32 => KvCache::F32(KvRows {
+                k: vec![0.0; n],
+                v: vec![0.0; n],
+            }),
+            KvType::F16 => KvCache::F16(KvRows {
+                k: vec![0; n],
+                v: vec![0; n],
+            }),
+        };
+        LlamaState { n_ctx, kv }
+    }
+
+    pub fn kv_type(&self) -> KvType {
+        match self.kv {
+            KvCache::F32(_) => KvType::F32,
+            KvCache::F16(_) => KvType::F16,
         }
     }
 
@@ -127,7 +154,10 @@ impl LlamaState {
         w: &mut impl std::io::Write,
     ) -> Result<()> {
         for (is_v, r) in self.rows(hp, n_tokens) {
-            payload::write_f32s(w, if is_v { &self.v[r] } else { &self.k[r] })?;
+            match &self.kv {
+                KvCache::F32(c) => payload::write_pod(w, if is_v { &c.v[r] } else { &c.k[r] })?,
+                KvCache::F16(c) => payload::write_pod(w, if is_v { &c.v[r] } else { &c.k[r] })?,
+            }
         }
         Ok(())
     }
@@ -139,9 +169,18 @@ impl LlamaState {
         n_tokens: usize,
         r: &mut impl std::io::Read,
     ) -> Result<()> {
-        for (is_v, range) in self.rows(hp, n_tokens) {
-            let cache = if is_v { &mut self.v } else { &mut self.k };
-            payload::read_f32s(r, &mut cache[range], "K/V rows")?;
+        let rows: Vec<_> = self.rows(hp, n_tokens).collect();
+        for (is_v, range) in rows {
+            match &mut self.kv {
+                KvCache::F32(c) => {
+                    let cache = if is_v { &mut c.v } else { &mut c.k };
+                    payload::read_pod(r, &mut cache[range], "K/V rows")?;
+                }
+                KvCache::F16(c) => {
+                    let cache = if is_v { &mut c.v } else { &mut c.k };
+                    payload::read_pod(r, &mut cache[range], "K/V rows")?;
+                }
+            }
         }
         Ok(())
     }
@@ -160,6 +199,8 @@ pub(crate) struct Scratch {
     gate: Vec<f32>,
     up: Vec<f32>,
     ffn_out: Vec<f32>,
+    /// RoPE `(sin, cos)` per token and pair, computed once per forward.
+    rope: Vec<(f32, f32)>,
     acts: Activations,
 }
 
@@ -178,6 +219,7 @@ impl Scratch {
             gate: vec![0.0; b * hp.n_ff],
             up: vec![0.0; b * hp.n_ff],
             ffn_out: vec![0.0; b * hp.n_embd],
+            rope: vec![(0.0, 0.0); b * hp.n_rot / 2],
             acts: Activations::new(b * hp.n_ff.max(hp.n_embd_q()).max(hp.n_embd)),
         }
     }
@@ -212,6 +254,11 @@ pub(crate) fn forward(
         }
     }
 
+    let n_pairs = w.rope.n_pairs();
+    let angles = &mut s.rope[..nt * n_pairs];
+    for (t, a) in angles.chunks_exact_mut(n_pairs.max(1)).enumerate() {
+        w.rope.angles(pos0 + t, a);
+    }
     let stride = state.layer_stride(hp);
     for (il, lw) in w.layers.iter().enumerate() {
         let xn = &mut s.xn[..nt * n_embd];
@@ -233,34 +280,18 @@ pub(crate) fn forward(
             ],
             &mut [&mut *q, &mut *k, &mut *v],
         );
-        let k_layer = &mut state.k[il * stride..(il + 1) * stride];
-        let v_layer = &mut state.v[il * stride..(il + 1) * stride];
         for t in 0..nt {
-            let pos = pos0 + t;
-            w.rope
-                .apply_interleaved(&mut q[t * n_q..(t + 1) * n_q], hd, pos);
-            w.rope
-                .apply_interleaved(&mut k[t * n_kv..(t + 1) * n_kv], hd, pos);
-            for h in 0..hp.n_head_kv {
-                let dst = (h * state.n_ctx + pos) * hd;
-                let src = t * n_kv + h * hd;
-                k_layer[dst..dst + hd].copy_from_slice(&k[src..src + hd]);
-                v_layer[dst..dst + hd].copy_from_slice(&v[src..src + hd]);
-            }
+            let a = &s.rope[t * n_pairs..(t + 1) * n_pairs];
+            Rope::rotate(&mut q[t * n_q..(t + 1) * n_q], hd, a);
+            Rope::rotate(&mut k[t * n_kv..(t + 1) * n_kv], hd, a);
         }
         let att = &mut s.att[..nt * n_q];
-        attention(
-            pool,
-            q,
-            k_layer,
-            v_layer,
-            state.n_ctx,
-            hp.n_head,
-            hp.n_head_kv,
-            hd,
-            pos0,
-            att,
-        );
+        let layer = il * stride..(il + 1) * stride;
+        let (n_ctx, at) = (state.n_ctx, (pos0, hp.n_head, hp.n_head_kv, hd));
+        match &mut state.kv {
+            KvCache::F32(c) => store_and_attend(pool, c, layer, n_ctx, at, q, k, v, att),
+            KvCache::F16(c) => store_and_attend(pool, c, layer, n_ctx, at, q, k, v, att),
+        }
         let attn_out = &mut s.attn_out[..nt * n_embd];
         project(
             pool,
@@ -309,5 +340,38 @@ pub(crate) fn forward(
         xn,
         &[&model.matrix(&w.output)],
         &mut [logits],
+    );
+}
+
+/// Stores the new K/V rows of positions `pos0..` into one layer's cache (rounded to
+/// the element type), then runs attention over it.
+#[allow(clippy::too_many_arguments)]
+fn store_and_attend<T: AsF32Rows>(
+    pool: &ThreadPool,
+    c: &mut KvRows<T>,
+    layer: std::ops::Range<usize>,
+    n_ctx: usize,
+    (pos0, n_head, n_head_kv, hd): (usize, usize, usize, usize),
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    att: &mut [f32],
+) {
+    let n_kv = n_head_kv * hd;
+    let (k_layer, v_layer) = (&mut c.k[layer.clone()], &mut c.v[layer]);
+    for t in 0..k.len() / n_kv {
+        for h in 0..n_head_kv {
+            let dst = (h * n_ctx + pos0 + t) * hd;
+            let src = t * n_kv + h * hd;
+            for (d, &x) in k_layer[dst..dst + hd].iter_mut().zip(&k[src..src + hd]) {
+                *d = T::narrow(x);
+            }
+            for (d, &x) in v_layer[dst..dst + hd].iter_mut().zip(&v[src..src + hd]) {
+                *d = T::narrow(x);
+            }
+        }
+    }
+    attention(
+        pool, q, k_layer, v_layer, n_ctx, n_head, n_head_kv, hd, pos0, att,
     );
 }

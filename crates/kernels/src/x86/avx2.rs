@@ -25,6 +25,7 @@
 
 use std::arch::x86_64::*;
 
+use crate::attn::{exp_ref, Running, EXP_LN2_HI, EXP_LN2_LO, EXP_LOG2E, EXP_MAX, EXP_MIN, EXP_P};
 use crate::f16::fp32_to_fp16;
 use crate::q4_0::BlockQ4_0;
 use crate::q4_1::{BlockQ4_1, QK4_1};
@@ -49,6 +50,9 @@ pub(super) static KERNELS: Kernels = Kernels {
     matvec_q4_1,
     matvec_q8_0,
     gemm_tile,
+    exp_inplace,
+    attn_tile_f32,
+    widen_f16,
 };
 
 // Table entries: the length checks the scalar references make, then the call.
@@ -164,6 +168,35 @@ fn gemm_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
         (4, 2),
         (4, 3)
     );
+}
+
+fn exp_inplace(x: &mut [f32]) {
+    // SAFETY: see above.
+    unsafe { exp_slice(x) }
+}
+
+fn attn_tile_f32(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    scale: f32,
+    st: &mut Running,
+    acc: &mut [f32],
+    scores: &mut [f32],
+) {
+    let (n, hd) = crate::attn::check_tile(q, k, v, acc, scores);
+    if !hd.is_multiple_of(8) {
+        return crate::attn::attn_tile_ref(q, k, v, scale, st, acc, scores);
+    }
+    // SAFETY: see above; `check_tile` and the `hd % 8` test establish the shapes
+    // `attn_tile` requires.
+    unsafe { attn_tile(q, k, v, n, scale, st, acc, scores) }
+}
+
+fn widen_f16(src: &[u16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "widen_f16 lengths");
+    // SAFETY: see above.
+    unsafe { widen_f16_x8(src, dst) }
 }
 
 // ---- loads and stores -------------------------------------------------------
@@ -863,5 +896,221 @@ unsafe fn tile<const R: usize, const T: usize>(w: &[f32], x: &[f32], k: usize, o
         for r in 0..R {
             out[t * R + r] = hsum_lanes(acc[r][t]);
         }
+    }
+}
+
+// ---- attention ------------------------------------------------------------------
+
+/// [`crate::attn::exp_ref`] on 8 lanes: the same operations lane by lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn exp8(x: __m256) -> __m256 {
+    let max = _mm256_set1_ps(EXP_MAX);
+    // `if x > MAX { MAX } else { x }` (a NaN stays).
+    let x = _mm256_blendv_ps(x, max, _mm256_cmp_ps::<_CMP_GT_OQ>(x, max));
+    let small = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_MIN));
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(EXP_LOG2E),
+    ));
+    let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_HI), x);
+    let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_LO), r);
+    let mut p = _mm256_set1_ps(EXP_P[0]);
+    for &c in &EXP_P[1..] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let y = _mm256_add_ps(
+        _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+        _mm256_set1_ps(1.0),
+    );
+    // Lanes below MIN (and -inf) get garbage exponents here; they are cleared to +0.
+    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    _mm256_andnot_ps(small, _mm256_mul_ps(y, _mm256_castsi256_ps(e)))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn exp_slice(x: &mut [f32]) {
+    let mut chunks = x.chunks_exact_mut(8);
+    for c in chunks.by_ref() {
+        let v = exp8(load_f32x8(c));
+        store_f32x8(c, v);
+    }
+    for v in chunks.into_remainder() {
+        *v = exp_ref(*v);
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen_f16_x8(src: &[u16], dst: &mut [f32]) {
+    let mut d = dst.chunks_exact_mut(8);
+    let mut s = src.chunks_exact(8);
+    for (dc, sc) in d.by_ref().zip(s.by_ref()) {
+        // SAFETY: `sc` is 8 u16 = 16 readable bytes; `loadu` has no alignment need.
+        let h = unsafe { _mm_loadu_si128(sc.as_ptr().cast()) };
+        store_f32x8(dc, _mm256_cvtph_ps(h));
+    }
+    for (dv, &h) in d.into_remainder().iter_mut().zip(s.remainder()) {
+        *dv = crate::f16::fp16_to_fp32(h.to_le_bytes());
+    }
+}
+
+/// Eight order-F1 accumulators reduced at once: lane `j` of the result is
+/// `reduce_lanes(a[j])`, with exactly the additions of [`hsum_lanes`] (IEEE
+/// addition commutes, so only the pairing matters).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum_8_transposed(a: &[__m256; 8]) -> __m256 {
+    // [a_i[0..4] + a_i[4..8] | a_{i+1}[0..4] + a_{i+1}[4..8]]
+    let h = |i: usize, j: usize| {
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(a[i], a[j]),
+            _mm256_permute2f128_ps::<0x31>(a[i], a[j]),
+        )
+    };
+    let (u01, u23, u45, u67) = (h(0, 1), h(2, 3), h(4, 5), h(6, 7));
+    // y_i = [x_i0 + x_i2, x_i1 + x_i3]: c = [y0 y2 | y1 y3], d = [y4 y6 | y5 y7].
+    let c = _mm256_add_ps(
+        _mm256_shuffle_ps::<0x44>(u01, u23),
+        _mm256_shuffle_ps::<0xEE>(u01, u23),
+    );
+    let d = _mm256_add_ps(
+        _mm256_shuffle_ps::<0x44>(u45, u67),
+        _mm256_shuffle_ps::<0xEE>(u45, u67),
+    );
+    // z_i = y_i0 + y_i1: [z0 z2 z4 z6 | z1 z3 z5 z7].
+    let z = _mm256_add_ps(
+        _mm256_shuffle_ps::<0x88>(c, d),
+        _mm256_shuffle_ps::<0xDD>(c, d),
+    );
+    _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+}
+
+/// [`crate::attn::attn_tile_ref`] over `n` f32 rows of `hd = q.len()` elements.
+///
+/// # Safety
+/// `hd % 8 == 0`, `hd > 0`, `k.len() == v.len() == n·hd`, `acc.len() == hd`,
+/// `scores.len() >= n`, `n > 0`, and the CPU has AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attn_tile(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n: usize,
+    scale: f32,
+    st: &mut Running,
+    acc: &mut [f32],
+    scores: &mut [f32],
+) {
+    let hd = q.len();
+    debug_assert!(
+        hd.is_multiple_of(8) && k.len() == n * hd && v.len() == n * hd && acc.len() == hd
+    );
+    let (qp, kp, vp) = (q.as_ptr(), k.as_ptr(), v.as_ptr());
+    let s = &mut scores[..n];
+    let scale_v = _mm256_set1_ps(scale);
+    // 1. Scores, eight positions at a time.
+    let mut p = 0;
+    while p + 8 <= n {
+        let mut a = [_mm256_setzero_ps(); 8];
+        for c in (0..hd).step_by(8) {
+            // SAFETY: c + 8 <= hd = q.len().
+            let qv = unsafe { _mm256_loadu_ps(qp.add(c)) };
+            for (j, a) in a.iter_mut().enumerate() {
+                // SAFETY: p + j < n and c + 8 <= hd: inside `k` (n·hd elements).
+                let kv = unsafe { _mm256_loadu_ps(kp.add((p + j) * hd + c)) };
+                *a = _mm256_fmadd_ps(qv, kv, *a);
+            }
+        }
+        let sums = _mm256_mul_ps(hsum_8_transposed(&a), scale_v);
+        store_f32x8(&mut s[p..p + 8], sums);
+        p += 8;
+    }
+    while p < n {
+        let mut a = _mm256_setzero_ps();
+        for c in (0..hd).step_by(8) {
+            // SAFETY: as above, for one position.
+            let (qv, kv) = unsafe {
+                (
+                    _mm256_loadu_ps(qp.add(c)),
+                    _mm256_loadu_ps(kp.add(p * hd + c)),
+                )
+            };
+            a = _mm256_fmadd_ps(qv, kv, a);
+        }
+        s[p] = hsum_lanes(a) * scale;
+        p += 1;
+    }
+    // 2. The new maximum and the correction of the running state.
+    let tmax = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let m_new = st.m.max(tmax);
+    if st.m != f32::NEG_INFINITY {
+        let c = exp_ref(st.m - m_new);
+        st.l *= c;
+        let cv = _mm256_set1_ps(c);
+        for a in acc.chunks_exact_mut(8) {
+            let x = _mm256_mul_ps(load_f32x8(a), cv);
+            store_f32x8(a, x);
+        }
+    }
+    // 3. Weights and their sum in 8 lanes.
+    let mv = _mm256_set1_ps(m_new);
+    let mut lanes_v = _mm256_setzero_ps();
+    let mut groups = s.chunks_exact_mut(8);
+    for g in groups.by_ref() {
+        let w = exp8(_mm256_sub_ps(load_f32x8(g), mv));
+        lanes_v = _mm256_add_ps(lanes_v, w);
+        store_f32x8(g, w);
+    }
+    let mut lanes = [0.0f32; 8];
+    store_f32x8(&mut lanes, lanes_v);
+    for (j, w) in groups.into_remainder().iter_mut().enumerate() {
+        *w = exp_ref(*w - m_new);
+        lanes[j] += *w;
+    }
+    st.l += crate::f32::reduce_lanes(&lanes);
+    // 4. acc += w_p · v_p, 64 dimensions (8 registers) at a time where possible.
+    let mut d0 = 0;
+    while d0 + 64 <= hd {
+        // SAFETY: d0 + 64 <= hd.
+        unsafe { accumulate_v::<8>(s, vp, hd, d0, acc) };
+        d0 += 64;
+    }
+    while d0 < hd {
+        // SAFETY: d0 + 8 <= hd (hd is a multiple of 8).
+        unsafe { accumulate_v::<1>(s, vp, hd, d0, acc) };
+        d0 += 8;
+    }
+    st.m = m_new;
+}
+
+/// `acc[d] = fma(w[p], v[p·hd + d], acc[d])` for `d` in `d0..d0 + 8R`, `p` in order.
+///
+/// # Safety
+/// `d0 + 8R <= hd == acc.len()`, `vp` points at `w.len()·hd` readable f32s, and
+/// the CPU has AVX2 and FMA.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn accumulate_v<const R: usize>(
+    w: &[f32],
+    vp: *const f32,
+    hd: usize,
+    d0: usize,
+    acc: &mut [f32],
+) {
+    let mut a: [__m256; R] = std::array::from_fn(|r| load_f32x8(&acc[d0 + 8 * r..]));
+    for (p, &wp) in w.iter().enumerate() {
+        let wb = _mm256_set1_ps(wp);
+        for (r, a) in a.iter_mut().enumerate() {
+            // SAFETY: p < w.len() and d0 + 8r + 8 <= hd: inside the V rows.
+            let x = unsafe { _mm256_loadu_ps(vp.add(p * hd + d0 + 8 * r)) };
+            *a = _mm256_fmadd_ps(wb, x, *a);
+        }
+    }
+    for (r, a) in a.iter().enumerate() {
+        store_f32x8(&mut acc[d0 + 8 * r..], *a);
     }
 }
