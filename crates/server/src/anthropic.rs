@@ -37,7 +37,6 @@ use crate::dialect::{
     Request,
 };
 use crate::http::{self, AppState};
-use crate::openai::default_sampling;
 use crate::turn::{CallOut, Piece, Turn};
 use crate::worker::{FinishReason, Usage};
 
@@ -114,26 +113,7 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
         }
         n => n.map(|n| n as usize),
     };
-    let mut sampling = default_sampling();
-    if let Some(t) = b.temperature {
-        if !(0.0..=1.0).contains(&t) {
-            return Err(BadRequest::new(
-                "temperature: must be between 0 and 1",
-                Some("temperature"),
-            ));
-        }
-        sampling.temperature = t;
-    }
-    if let Some(p) = b.top_p {
-        if !(p > 0.0 && p <= 1.0) {
-            return Err(BadRequest::new("top_p: must be in (0, 1]", Some("top_p")));
-        }
-        sampling.top_p = p;
-    }
-    if let Some(k) = b.top_k {
-        sampling.top_k = k as usize;
-    }
-    sampling.seed = crate::dialect::clock_seed();
+    let sampling = crate::dialect::sampling(b.temperature, 1.0, b.top_p, b.top_k)?;
     let stop = b.stop_sequences.unwrap_or_default();
     if stop.iter().any(String::is_empty) {
         return Err(BadRequest::new(

@@ -113,6 +113,38 @@ pub struct Gen {
     pub model: String,
 }
 
+/// The server's sampling defaults with a request's `temperature` (0 to
+/// `max_temperature`), `top_p` (in (0, 1]) and `top_k` applied; the seed is the
+/// clock's (a dialect with a `seed` field sets its own).
+pub fn sampling(
+    temperature: Option<f32>,
+    max_temperature: f32,
+    top_p: Option<f32>,
+    top_k: Option<u64>,
+) -> Result<SamplerConfig, BadRequest> {
+    let mut s = crate::openai::default_sampling();
+    if let Some(t) = temperature {
+        if !(0.0..=max_temperature).contains(&t) {
+            return Err(BadRequest::new(
+                format!("temperature must be between 0 and {max_temperature}"),
+                Some("temperature"),
+            ));
+        }
+        s.temperature = t;
+    }
+    if let Some(p) = top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(BadRequest::new("top_p must be in (0, 1]", Some("top_p")));
+        }
+        s.top_p = p;
+    }
+    if let Some(k) = top_k {
+        s.top_k = k as usize;
+    }
+    s.seed = clock_seed();
+    Ok(s)
+}
+
 /// The thinking mode a request asks for (system spec §5.4–5.5), before context
 /// gating: `control` as the dialect saw it, `effort` an effort name, the model
 /// string for the `deepseek-chat` / `deepseek-reasoner` alias rule.

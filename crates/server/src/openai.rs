@@ -180,25 +180,7 @@ fn common(c: Common) -> Result<Request, BadRequest> {
             ))
         }
     };
-    let mut sampling = default_sampling();
-    if let Some(t) = c.temperature {
-        if !(0.0..=2.0).contains(&t) {
-            return Err(BadRequest::new(
-                "temperature must be between 0 and 2",
-                Some("temperature"),
-            ));
-        }
-        sampling.temperature = t;
-    }
-    if let Some(p) = c.top_p {
-        if !(p > 0.0 && p <= 1.0) {
-            return Err(BadRequest::new("top_p must be in (0, 1]", Some("top_p")));
-        }
-        sampling.top_p = p;
-    }
-    if let Some(k) = c.top_k {
-        sampling.top_k = k as usize;
-    }
+    let mut sampling = crate::dialect::sampling(c.temperature, 2.0, c.top_p, c.top_k)?;
     if let Some(m) = c.min_p {
         if !(0.0..=1.0).contains(&m) {
             return Err(BadRequest::new("min_p must be in [0, 1]", Some("min_p")));

@@ -26,7 +26,7 @@ use crate::dialect::{
     named, think_mode, AgentOptions, BadRequest, Dialect, ErrorKind, Gen, Input, Request,
 };
 use crate::http::{run, AppState};
-use crate::openai::{default_sampling, error_body, tool_choice};
+use crate::openai::{error_body, tool_choice};
 use crate::turn::{CallOut, Piece, Turn};
 use crate::worker::{FinishReason, Usage};
 use ds4_chat::ToolCall;
@@ -179,20 +179,7 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         return Err(bad("logprobs are not supported yet", "top_logprobs"));
     }
 
-    let mut sampling = default_sampling();
-    if let Some(t) = b.temperature {
-        if !(0.0..=2.0).contains(&t) {
-            return Err(bad("temperature must be between 0 and 2", "temperature"));
-        }
-        sampling.temperature = t;
-    }
-    if let Some(p) = b.top_p {
-        if !(p > 0.0 && p <= 1.0) {
-            return Err(bad("top_p must be in (0, 1]", "top_p"));
-        }
-        sampling.top_p = p;
-    }
-    sampling.seed = crate::dialect::clock_seed();
+    let sampling = crate::dialect::sampling(b.temperature, 2.0, b.top_p, None)?;
     if b.max_output_tokens == Some(0) {
         return Err(bad(
             "max_output_tokens must be at least 1",
@@ -824,7 +811,10 @@ mod tests {
             ]
         );
         assert_eq!((p.max_tokens, p.stream, p.stop.len()), (None, false, 0));
-        assert_eq!(p.sampling.temperature, default_sampling().temperature);
+        assert_eq!(
+            p.sampling.temperature,
+            crate::openai::default_sampling().temperature
+        );
     }
 
     #[test]
