@@ -6,6 +6,7 @@
 //! Feed the parser only the text after the think block: DSML inside reasoning is
 //! never a call (§7.4 step 1).
 
+use super::markup::json_quote;
 use super::{
     ParsedCall, ParsedTurn, ToolCall, ToolChoice, ToolEvent, ToolParser, ToolSpec, ToolSyntax,
 };
@@ -144,8 +145,8 @@ fn schema_line(spec: &ToolSpec) -> String {
         };
         return format!(
             "{{\"name\":{},\"description\":{},\"parameters\":{}}}",
-            json::quote(&spec.name),
-            json::quote(&spec.description),
+            json_quote(&spec.name),
+            json_quote(&spec.description),
             parameters
         );
     }
@@ -511,10 +512,10 @@ fn object_json(members: &[(String, ArgValue)]) -> String {
         if i > 0 {
             out.push(',');
         }
-        out.push_str(&json::quote(key));
+        out.push_str(&json_quote(key));
         out.push(':');
         match value {
-            ArgValue::Str(text) => out.push_str(&json::quote(text)),
+            ArgValue::Str(text) => out.push_str(&json_quote(text)),
             ArgValue::Json(json) => out.push_str(json),
         }
     }
@@ -716,27 +717,6 @@ mod json {
             }
             out.push(c);
         }
-        out
-    }
-
-    /// A JSON string literal, escaped like serde_json's compact output.
-    pub(super) fn quote(text: &str) -> String {
-        let mut out = String::with_capacity(text.len() + 2);
-        out.push('"');
-        for c in text.chars() {
-            match c {
-                '"' => out.push_str("\\\""),
-                '\\' => out.push_str("\\\\"),
-                '\n' => out.push_str("\\n"),
-                '\r' => out.push_str("\\r"),
-                '\t' => out.push_str("\\t"),
-                '\u{08}' => out.push_str("\\b"),
-                '\u{0c}' => out.push_str("\\f"),
-                c if c < ' ' => out.push_str(&format!("\\u{:04x}", c as u32)),
-                c => out.push(c),
-            }
-        }
-        out.push('"');
         out
     }
 

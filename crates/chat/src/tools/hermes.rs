@@ -15,7 +15,7 @@
 
 use serde_json::{Map, Value};
 
-use super::markup::{floor_char_boundary, held_tail, py_json};
+use super::markup::{floor_char_boundary, held_tail, json_quote, py_json};
 use super::{
     ParsedCall, ParsedTurn, ToolCall, ToolChoice, ToolEvent, ToolParser, ToolSpec, ToolSyntax,
 };
@@ -83,9 +83,9 @@ fn tool_json(tool: &ToolSpec) -> String {
     // Invalid schema text is kept verbatim rather than dropped: the model still sees it.
     let parameters = reserialise(&tool.parameters).unwrap_or_else(|| tool.parameters.clone());
     let mut out = String::from("{\"type\": \"function\", \"function\": {\"name\": ");
-    out.push_str(&py_json(&Value::String(tool.name.clone())));
+    out.push_str(&json_quote(&tool.name));
     out.push_str(", \"description\": ");
-    out.push_str(&py_json(&Value::String(tool.description.clone())));
+    out.push_str(&json_quote(&tool.description));
     out.push_str(", \"parameters\": ");
     out.push_str(&parameters);
     out.push_str("}}");
