@@ -453,6 +453,17 @@ pub fn error_body(message: &str, kind: ErrorKind, param: Option<&str>) -> Value 
     json!({ "error": { "message": message, "type": ty, "param": param, "code": code } })
 }
 
+/// An error in OpenAI's shape (also the Responses API's).
+pub fn error_response(status: StatusCode, message: &str, kind: ErrorKind) -> Response {
+    (status, Json(error_body(message, kind, None))).into_response()
+}
+
+/// A 400 in OpenAI's shape, naming the parameter at fault.
+pub fn bad_request_response(e: BadRequest) -> Response {
+    let body = error_body(&e.message, ErrorKind::InvalidRequest, e.param);
+    (StatusCode::BAD_REQUEST, Json(body)).into_response()
+}
+
 impl Dialect for OpenAi {
     fn id_prefix(&self) -> &'static str {
         match self.0 {
@@ -462,12 +473,11 @@ impl Dialect for OpenAi {
     }
 
     fn error(&self, status: StatusCode, message: &str, kind: ErrorKind) -> Response {
-        (status, Json(error_body(message, kind, None))).into_response()
+        error_response(status, message, kind)
     }
 
     fn bad_request(&self, e: BadRequest) -> Response {
-        let body = error_body(&e.message, ErrorKind::InvalidRequest, e.param);
-        (StatusCode::BAD_REQUEST, Json(body)).into_response()
+        bad_request_response(e)
     }
 
     fn complete(&self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {

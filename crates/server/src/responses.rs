@@ -16,8 +16,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::sse::Event as SseEvent;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::response::Response;
 use ds4_chat::{Message, Role};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -26,7 +25,7 @@ use crate::dialect::{
     named, think_mode, AgentOptions, BadRequest, Dialect, ErrorKind, Gen, Input, Request,
 };
 use crate::http::{run, AppState};
-use crate::openai::{error_body, tool_choice};
+use crate::openai::{bad_request_response, error_response, tool_choice};
 use crate::turn::{CallOut, Piece, Turn};
 use crate::worker::{FinishReason, Usage};
 use ds4_chat::ToolCall;
@@ -710,12 +709,11 @@ impl Dialect for Responses {
     }
 
     fn error(&self, status: StatusCode, message: &str, kind: ErrorKind) -> Response {
-        (status, Json(error_body(message, kind, None))).into_response()
+        error_response(status, message, kind)
     }
 
     fn bad_request(&self, e: BadRequest) -> Response {
-        let body = error_body(&e.message, ErrorKind::InvalidRequest, e.param);
-        (StatusCode::BAD_REQUEST, Json(body)).into_response()
+        bad_request_response(e)
     }
 
     fn complete(&self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
