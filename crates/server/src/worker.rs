@@ -316,35 +316,45 @@ struct WorkerState {
     trace: Option<Arc<Trace>>,
 }
 
-impl WorkerState {
-    /// Tokens of `ids` that `session` can reuse (its token prefix, or all of it
-    /// when its text is a prefix of `prompt`).
-    fn shared(session: &Session, prompt: &str, ids: &[u32]) -> usize {
+/// What a session holds of a prompt.
+struct Held {
+    /// Its tokens that are a prefix of the prompt's tokens.
+    by_token: usize,
+    /// When all its tokens are not, but their text is a prefix of the prompt:
+    /// that text's length in bytes.
+    by_text: Option<usize>,
+}
+
+impl Held {
+    fn of(session: &Session, prompt: &str, ids: &[u32]) -> Held {
         let live = session.tokens();
         let by_token = live.iter().zip(ids).take_while(|(a, b)| a == b).count();
-        if by_token < live.len()
-            && prompt
-                .as_bytes()
-                .starts_with(&session.model().tokenizer.decode(live, true))
-        {
-            return live.len();
-        }
-        by_token
+        let by_text = (by_token < live.len())
+            .then(|| session.model().tokenizer.decode(live, true))
+            .filter(|text| {
+                prompt.as_bytes().starts_with(text) && prompt.is_char_boundary(text.len())
+            })
+            .map(|text| text.len());
+        Held { by_token, by_text }
     }
 
+    /// Tokens reusable from the session.
+    fn tokens(&self, session: &Session) -> usize {
+        match self.by_text {
+            Some(_) => session.tokens().len(),
+            None => self.by_token,
+        }
+    }
+}
+
+impl WorkerState {
     /// The slot for `job`: its key's slot; else the main session when it shares
     /// enough; else the side one when the request is short and either continues
     /// a side conversation or would evict a main one worth keeping.
-    fn choose_slot(&mut self, job: &Job) -> Slot {
-        // A cheap bound first: a token is at least one byte.
-        if self.side_ctx == 0 || job.prompt.len() > 16 * self.side_ctx {
+    fn choose_slot(&mut self, job: &Job, ids: &[u32]) -> Slot {
+        if self.side_ctx == 0 {
             return Slot::Main;
         }
-        let ids = self
-            .session
-            .model()
-            .tokenizer
-            .encode(&job.prompt, true, true);
         let fits = ids.len() + job.max_tokens.min(self.side_ctx / 4) < self.side_ctx;
         if let Some(slot) = job.cache_key.as_ref().and_then(|k| self.slot_keys.get(k)) {
             return if fits { *slot } else { Slot::Main };
@@ -352,14 +362,14 @@ impl WorkerState {
         if !fits {
             return Slot::Main;
         }
-        let main = Self::shared(&self.session, &job.prompt, &ids);
+        let main = Held::of(&self.session, &job.prompt, ids).tokens(&self.session);
         if main >= PROTECT_MIN_TOKENS {
             return Slot::Main;
         }
         let side = self
             .side
             .as_ref()
-            .map_or(0, |s| Self::shared(s, &job.prompt, &ids));
+            .map_or(0, |s| Held::of(s, &job.prompt, ids).tokens(s));
         if side > main || self.session.tokens().len() >= PROTECT_MIN_TOKENS {
             Slot::Side
         } else {
@@ -368,7 +378,13 @@ impl WorkerState {
     }
 
     fn run(&mut self, job: Job) {
-        let slot = self.choose_slot(&job);
+        // Tokenized once: the slot choice and the reuse plan both need it.
+        let ids = self
+            .session
+            .model()
+            .tokenizer
+            .encode(&job.prompt, true, true);
+        let slot = self.choose_slot(&job, &ids);
         if let Some(k) = &job.cache_key {
             if self.slot_keys.len() >= MAX_SLOT_KEYS && !self.slot_keys.contains_key(k) {
                 self.slot_keys.clear();
@@ -384,22 +400,22 @@ impl WorkerState {
             };
             self.side = Some(std::mem::replace(&mut self.session, side));
             let persist = self.persist.take();
-            self.run_on_slot(&job, slot);
+            self.run_on_slot(&job, ids, slot);
             self.persist = persist;
             if let Some(main) = self.side.take() {
                 self.side = Some(std::mem::replace(&mut self.session, main));
             }
         } else {
-            self.run_on_slot(&job, slot);
+            self.run_on_slot(&job, ids, slot);
         }
     }
 
-    fn run_on_slot(&mut self, job: &Job, slot: Slot) {
+    fn run_on_slot(&mut self, job: &Job, ids: Vec<u32>, slot: Slot) {
         if let Some(t) = &self.trace {
             let slot = if slot == Slot::Side { "side" } else { "main" };
             t.write(json!({ "event": "slot", "id": job.id, "slot": slot }));
         }
-        if let Err(e) = self.generate(job) {
+        if let Err(e) = self.generate(job, ids) {
             if let Some(t) = &self.trace {
                 t.write(json!({
                     "event": "request", "id": job.id, "route": job.route,
@@ -420,25 +436,21 @@ impl WorkerState {
         }
     }
 
-    /// Positions the session at the longest reusable prefix of `prompt` and returns
-    /// the full token sequence of the request, how many of them are reused, and the
-    /// source of the reuse.
-    fn plan(&mut self, prompt: &str) -> (Vec<u32>, usize, CacheSource) {
+    /// Positions the session at the longest reusable prefix of `prompt` (whose
+    /// own tokens are `ids`) and returns the full token sequence of the request,
+    /// how many of them are reused, and the source of the reuse.
+    fn plan(&mut self, prompt: &str, ids: Vec<u32>) -> (Vec<u32>, usize, CacheSource) {
         let model = Arc::clone(self.session.model());
         let tok = &model.tokenizer;
-        let ids = tok.encode(prompt, true, true);
         let live = self.session.tokens().to_vec();
-        let by_token = live.iter().zip(&ids).take_while(|(a, b)| a == b).count();
-        let live_text = tok.decode(&live, true);
-        let text_prefix = !live.is_empty()
-            && prompt.as_bytes().starts_with(&live_text)
-            && prompt.is_char_boundary(live_text.len());
-        if text_prefix && live.len() > by_token {
+        let held = Held::of(&self.session, prompt, &ids);
+        let by_token = held.by_token;
+        if let Some(text_len) = held.by_text {
             // The live tokens represent a prefix of the text but are not the
             // prompt's own tokenization: keep them all, tokenize only the rest.
             let mut full = live;
-            full.extend(tok.encode(&prompt[live_text.len()..], false, true));
-            let n = self.session.tokens().len();
+            let n = full.len();
+            full.extend(tok.encode(&prompt[text_len..], false, true));
             return (full, n, CacheSource::MemoryText);
         }
         let Some(p) = &mut self.persist else {
@@ -469,7 +481,7 @@ impl WorkerState {
         (ids, 0, CacheSource::None)
     }
 
-    fn generate(&mut self, job: &Job) -> Result<(), JobError> {
+    fn generate(&mut self, job: &Job, ids: Vec<u32>) -> Result<(), JobError> {
         if job.prompt.is_empty() {
             return Err(JobError::EmptyPrompt);
         }
@@ -477,7 +489,7 @@ impl WorkerState {
             p.last_file = None;
         }
         let live = self.session.tokens().to_vec();
-        let (ids, reused, source) = self.plan(&job.prompt);
+        let (ids, reused, source) = self.plan(&job.prompt, ids);
         let tok = &self.session.model().tokenizer;
         let piece_len = |id: u32| tok.decode(&[id], true).len();
         let mut miss = (reused < live.len()).then(|| {
