@@ -2,7 +2,7 @@
 //! attention over a per-head K/V cache, SwiGLU, and projection through a weight
 //! matrix in either precision.
 
-use ds4_kernels::attn::{attn_tile_f32, exp_ref, AsF32Rows, Running};
+use ds4_kernels::attn::{attn_group, exp_ref, AsF32Rows, Running};
 use ds4_kernels::matmul::{matmul, matmul_f32, matmul_fast, F32Dot, WeightMatrix};
 use ds4_kernels::pool::ThreadPool;
 use ds4_kernels::{ActivationFormat, QuantizedActivations};
@@ -179,8 +179,10 @@ const _: () = assert!(ATTN_SEG.is_multiple_of(ATTN_TILE));
 /// order. Segments and tiles sit at fixed absolute positions and each query's
 /// arithmetic is the same however the tokens are batched, so chunked prefill and
 /// token-by-token decoding agree bit for bit. A tile step is
-/// `ds4_kernels::attn::attn_tile_f32` (SIMD scores, exp and V accumulation, equal
-/// bit for bit to its scalar reference), after f16 rows are widened (exactly).
+/// `ds4_kernels::attn::attn_group`: one token's heads of a KV head's group at once,
+/// sharing every K/V load (SIMD scores, exp and V accumulation, equal bit for bit
+/// to the scalar reference of each query alone); a block of several tokens widens
+/// f16 tiles once, a single token reads them directly (both exact).
 #[allow(clippy::too_many_arguments)]
 pub fn attention<T: AsF32Rows>(
     pool: &ThreadPool,
@@ -303,24 +305,41 @@ fn attend_block<T: AsF32Rows>(
         } = st;
         running.clear();
         running.resize(n_q, Running::default());
-        scores.resize(ATTN_TILE, 0.0);
         acc_all[..n_q * head_dim].fill(0.0);
+        scores.resize(group * ATTN_TILE, 0.0);
         for tile in (p0..p1).step_by(ATTN_TILE) {
             // Every query's tile ends at or before `tile_end` (`p1` is the block's
             // causal limit, and segments are whole tiles).
             let tile_end = (tile + ATTN_TILE).min(p1);
-            let kt = T::as_f32_rows(&ks[tile * head_dim..tile_end * head_dim], k_buf);
-            let vt = T::as_f32_rows(&vs[tile * head_dim..tile_end * head_dim], v_buf);
-            for (qi, run) in running.iter_mut().enumerate() {
-                let (t, g) = (t0 + qi / group, qi % group);
+            let (ks, vs) = (
+                &ks[tile * head_dim..tile_end * head_dim],
+                &vs[tile * head_dim..tile_end * head_dim],
+            );
+            // A block of several tokens widens an f16 tile once for all of them; a
+            // single token's heads read it directly (the same bits either way).
+            let widened = (t1 - t0 > 1).then(|| {
+                (
+                    T::as_f32_rows(ks, k_buf) as &[f32],
+                    T::as_f32_rows(vs, v_buf) as &[f32],
+                )
+            });
+            for t in t0..t1 {
                 let limit = pos0 + t + 1;
                 if tile >= limit {
                     continue;
                 }
                 let len = ((tile + ATTN_TILE).min(limit) - tile) * head_dim;
-                let qv = &q[(t * n_head + kvh * group + g) * head_dim..][..head_dim];
-                let acc = &mut acc_all[qi * head_dim..(qi + 1) * head_dim];
-                attn_tile_f32(qv, &kt[..len], &vt[..len], scale, run, acc, scores);
+                // The group's heads are adjacent in `q` and in the block's outputs.
+                let qi = (t - t0) * group;
+                let qv = &q[(t * n_head + kvh * group) * head_dim..][..group * head_dim];
+                let acc = &mut acc_all[qi * head_dim..(qi + group) * head_dim];
+                let run = &mut running[qi..qi + group];
+                match widened {
+                    Some((kt, vt)) => {
+                        attn_group(qv, &kt[..len], &vt[..len], scale, run, acc, scores)
+                    }
+                    None => attn_group(qv, &ks[..len], &vs[..len], scale, run, acc, scores),
+                }
             }
         }
         for (qi, r) in running.iter().enumerate() {
@@ -486,6 +505,51 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Attention timings, one token at 6144 positions and a 64-token prefill block
+    /// at 4096, f32 and f16 K/V:
+    /// `cargo test --release -p ds4-engine --lib -- --ignored --nocapture bench_attention`.
+    #[test]
+    #[ignore]
+    fn bench_attention() {
+        fn run<T: AsF32Rows>(name: &str, threads: usize, elem: fn(f32) -> T) {
+            let (n_head, n_kv, hd, n_ctx) = (9, 3, 64, 8192);
+            let mut x = 1u32;
+            let mut rnd = || {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x as f32 / u32::MAX as f32) * 2.0 - 1.0
+            };
+            let k: Vec<T> = (0..n_kv * n_ctx * hd).map(|_| elem(rnd())).collect();
+            let v: Vec<T> = (0..n_kv * n_ctx * hd).map(|_| elem(rnd())).collect();
+            let pool = ThreadPool::new(threads);
+            for (n_tok, pos0) in [(1usize, 6143usize), (64, 4096)] {
+                let q: Vec<f32> = (0..n_tok * n_head * hd).map(|_| rnd()).collect();
+                let mut out = vec![0f32; q.len()];
+                let reps = 400 / n_tok.min(20);
+                attention(&pool, &q, &k, &v, n_ctx, n_head, n_kv, hd, pos0, &mut out);
+                // The fastest repetition: the least disturbed by other work.
+                let per = (0..reps)
+                    .map(|_| {
+                        let t = std::time::Instant::now();
+                        attention(&pool, &q, &k, &v, n_ctx, n_head, n_kv, hd, pos0, &mut out);
+                        t.elapsed().as_secs_f64()
+                    })
+                    .fold(f64::INFINITY, f64::min);
+                let pairs = (n_tok * n_head * (pos0 + n_tok / 2)) as f64;
+                println!(
+                    "{name} {threads}t {n_tok} tok at {pos0}: {:.1} us per layer, {:.2} ns per (query, position)",
+                    per * 1e6,
+                    per * 1e9 / pairs
+                );
+            }
+        }
+        for threads in [1, 2] {
+            run::<f32>("f32", threads, |x| x);
+            run::<u16>("f16", threads, <u16 as ds4_kernels::attn::KvElem>::narrow);
         }
     }
 }

@@ -193,19 +193,72 @@ pub fn attn_tile_ref<T: KvElem>(
     st.m = m_new;
 }
 
-/// [`attn_tile_ref`] over f32 K/V by the selected tier, bit for bit (for finite
-/// inputs).
-#[inline]
-pub fn attn_tile_f32(
+/// [`attn_tile_ref`] for each of the `st.len()` queries of one KV head's group over
+/// the same tile of K/V rows: query `g` is `q[g·hd..(g+1)·hd]` with state `st[g]`,
+/// accumulator `acc[g·hd..(g+1)·hd]` and score slots `scores[g·n..(g+1)·n]`, where
+/// `hd = acc.len() / st.len()` and `n` is the number of rows. Scalar reference:
+/// the queries one after the other, so a fast tier that shares each K/V row
+/// between the queries (grouped-query attention) computes the same bits.
+///
+/// # Panics
+/// On a shape mismatch.
+pub fn attn_group_ref<T: KvElem>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[T],
+    v: &[T],
     scale: f32,
-    st: &mut Running,
+    st: &mut [Running],
     acc: &mut [f32],
     scores: &mut [f32],
 ) {
-    (crate::kernels().attn_tile_f32)(q, k, v, scale, st, acc, scores)
+    let (n, hd) = check_group(q, k, v, st, acc, scores);
+    for (g, run) in st.iter_mut().enumerate() {
+        let (qg, ag) = (&q[g * hd..(g + 1) * hd], &mut acc[g * hd..(g + 1) * hd]);
+        attn_tile_ref(qg, k, v, scale, run, ag, &mut scores[g * n..(g + 1) * n]);
+    }
+}
+
+/// Checks the shapes of a grouped tile step; returns (positions, head_dim).
+pub(crate) fn check_group<T>(
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    st: &[Running],
+    acc: &[f32],
+    scores: &[f32],
+) -> (usize, usize) {
+    let g = st.len();
+    assert!(
+        g > 0 && acc.len().is_multiple_of(g) && q.len() == acc.len(),
+        "attn group: {g} queries, query {}, acc {}",
+        q.len(),
+        acc.len()
+    );
+    let hd = acc.len() / g;
+    let n = k.len().checked_div(hd).unwrap_or(0);
+    assert!(
+        hd > 0 && k.len() == n * hd && v.len() == k.len() && n > 0 && scores.len() >= g * n,
+        "attn group: {} K, {} V elements, head_dim {hd}, {} score slots for {g} queries",
+        k.len(),
+        v.len(),
+        scores.len()
+    );
+    (n, hd)
+}
+
+/// [`attn_group_ref`] by the selected tier, bit for bit (for finite inputs), on K/V
+/// rows of f32 or f16 bits.
+#[inline]
+pub fn attn_group<T: AsF32Rows>(
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    scale: f32,
+    st: &mut [Running],
+    acc: &mut [f32],
+    scores: &mut [f32],
+) {
+    (T::group_kernel())(q, k, v, scale, st, acc, scores)
 }
 
 /// Widens f16 bits to f32 (exactly) by the selected tier.
@@ -228,16 +281,24 @@ pub fn widen_f16_ref(src: &[u16], dst: &mut [f32]) {
     }
 }
 
-/// K/V rows as f32 for [`attn_tile_f32`]: f32 rows as they are, f16 rows widened
-/// into `buf` (exact, so the f16 path computes [`attn_tile_ref`] on the f16 rows).
+/// The two K/V element types the attention kernels run on: f32 rows, and f16 rows
+/// that a tile of many queries widens to f32 once (exact, so either way computes
+/// [`attn_tile_ref`] on the stored rows).
 pub trait AsF32Rows: KvElem {
     fn as_f32_rows<'a>(rows: &'a [Self], buf: &'a mut Vec<f32>) -> &'a [f32];
+    /// The selected tier's grouped tile step on rows of this type.
+    #[doc(hidden)]
+    fn group_kernel() -> crate::AttnGroupFn<Self>;
 }
 
 impl AsF32Rows for f32 {
     #[inline]
     fn as_f32_rows<'a>(rows: &'a [f32], _buf: &'a mut Vec<f32>) -> &'a [f32] {
         rows
+    }
+    #[inline]
+    fn group_kernel() -> crate::AttnGroupFn<f32> {
+        crate::kernels().attn_group_f32
     }
 }
 
@@ -247,6 +308,10 @@ impl AsF32Rows for u16 {
         buf.resize(rows.len(), 0.0);
         widen_f16(rows, buf);
         buf
+    }
+    #[inline]
+    fn group_kernel() -> crate::AttnGroupFn<u16> {
+        crate::kernels().attn_group_f16
     }
 }
 

@@ -100,15 +100,17 @@ pub(crate) struct Kernels {
     pub(crate) gemm_tile: fn(&[f32], &[f32], usize, &mut [f32]),
     /// [`attn::exp_inplace_ref`].
     pub(crate) exp_inplace: fn(&mut [f32]),
-    /// [`attn::attn_tile_ref`] over f32 rows.
-    pub(crate) attn_tile_f32: AttnTileFn,
+    /// [`attn::attn_group_ref`] over f32 rows.
+    pub(crate) attn_group_f32: AttnGroupFn<f32>,
+    /// [`attn::attn_group_ref`] over f16 rows.
+    pub(crate) attn_group_f16: AttnGroupFn<u16>,
     /// [`attn::widen_f16_ref`].
     pub(crate) widen_f16: fn(&[u16], &mut [f32]),
 }
 
-/// The signature of [`attn::attn_tile_f32`].
-pub(crate) type AttnTileFn =
-    fn(&[f32], &[f32], &[f32], f32, &mut attn::Running, &mut [f32], &mut [f32]);
+/// The signature of [`attn::attn_group`] on rows of `T`.
+#[doc(hidden)]
+pub type AttnGroupFn<T> = fn(&[f32], &[T], &[T], f32, &mut [attn::Running], &mut [f32], &mut [f32]);
 
 /// The scalar references: the lowest tier, available everywhere.
 pub(crate) static SCALAR: Kernels = Kernels {
@@ -128,7 +130,8 @@ pub(crate) static SCALAR: Kernels = Kernels {
     matvec_q8_0: fast::matvec_q8_0_ref,
     gemm_tile: fast::gemm_tile_ref,
     exp_inplace: attn::exp_inplace_ref,
-    attn_tile_f32: attn::attn_tile_ref::<f32>,
+    attn_group_f32: attn::attn_group_ref::<f32>,
+    attn_group_f16: attn::attn_group_ref::<u16>,
     widen_f16: attn::widen_f16_ref,
 };
 

@@ -893,58 +893,91 @@ fn widen_f16_is_bit_identical_on_every_tier() {
     }
 }
 
-/// An attention tile step on every tier equals the reference bit for bit: every
-/// tile length up to 64 (each tail), several head sizes (a multiple of 8 or
-/// not), fresh and running states, scores far apart (weights underflowing to 0).
+/// [`crate::attn::attn_group_ref`] from a copy of the states and accumulators.
+fn group_ref<T: crate::attn::KvElem>(
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    scale: f32,
+    st0: &[crate::attn::Running],
+    acc0: &[f32],
+) -> (Vec<crate::attn::Running>, Vec<f32>) {
+    let (mut st, mut acc) = (st0.to_vec(), acc0.to_vec());
+    let mut scores =
+        vec![0.0; q.len() / acc0.len() * st0.len() * k.len() / (acc0.len() / st0.len())];
+    crate::attn::attn_group_ref(q, k, v, scale, &mut st, &mut acc, &mut scores);
+    (st, acc)
+}
+
+/// A grouped attention tile step on every tier equals the reference (each query
+/// alone) bit for bit: groups of 1 to 5 queries (the kernel's chunks of three and
+/// their remainders), every tile length up to 64 (each tail), several head sizes
+/// (a multiple of 8 or not), fresh and running states, scores far apart (weights
+/// underflowing to 0); f32 rows, f16 rows read directly, and f16 rows widened
+/// first and run as f32.
 #[test]
-fn attention_tiles_are_bit_identical_on_every_tier() {
-    use crate::attn::{attn_tile_ref, Running};
+fn attention_groups_are_bit_identical_on_every_tier() {
+    use crate::attn::{attn_group, KvElem, Running};
     let mut rng = XorShift::new(173);
     for hd in [8, 12, 64, 128] {
         for n in (1..=64).chain([100]) {
             for (spread, fresh) in [(1.0, true), (4.0, false), (60.0, false)] {
-                let q = rng.vec_uniform(hd, -spread, spread);
+                let g = 1 + (n + hd) % 5;
+                let q = rng.vec_uniform(g * hd, -spread, spread);
                 let kr = rng.vec_uniform(n * hd, -1.0, 1.0);
                 let vr = rng.vec_uniform(n * hd, -2.0, 2.0);
-                let st0 = if fresh {
-                    Running::default()
-                } else {
-                    Running {
-                        m: rng.uniform(-3.0, 6.0),
-                        l: rng.uniform(0.5, 20.0),
-                    }
-                };
+                let st0: Vec<Running> = (0..g)
+                    .map(|_| {
+                        if fresh {
+                            Running::default()
+                        } else {
+                            Running {
+                                m: rng.uniform(-3.0, 6.0),
+                                l: rng.uniform(0.5, 20.0),
+                            }
+                        }
+                    })
+                    .collect();
                 let acc0 = if fresh {
-                    vec![0.0; hd]
+                    vec![0.0; g * hd]
                 } else {
-                    rng.vec_uniform(hd, -5.0, 5.0)
+                    rng.vec_uniform(g * hd, -5.0, 5.0)
                 };
                 let scale = 1.0 / (hd as f32).sqrt();
-                let (mut st_w, mut acc_w, mut sc) = (st0, acc0.clone(), vec![0.0; n]);
-                attn_tile_ref(&q, &kr, &vr, scale, &mut st_w, &mut acc_w, &mut sc);
+                let kh: Vec<u16> = kr.iter().map(|&x| KvElem::narrow(x)).collect();
+                let vh: Vec<u16> = vr.iter().map(|&x| KvElem::narrow(x)).collect();
+                // The reference: each query alone.
+                let want32 = group_ref(&q, &kr, &vr, scale, &st0, &acc0);
+                let want16 = group_ref(&q, &kh, &vh, scale, &st0, &acc0);
                 for k in available_tiers() {
-                    let (mut st, mut acc, mut sc) = (st0, acc0.clone(), vec![0.0; n + 3]);
-                    (k.attn_tile_f32)(&q, &kr, &vr, scale, &mut st, &mut acc, &mut sc);
-                    let what = format!("[{}] hd {hd}, n {n}, spread {spread}", k.tier);
-                    assert_eq!(st.m.to_bits(), st_w.m.to_bits(), "{what}: m");
-                    assert_eq!(st.l.to_bits(), st_w.l.to_bits(), "{what}: l");
-                    assert_eq!(bits(&acc), bits(&acc_w), "{what}: acc");
-                }
-                // The f16 path: widen (exact), then the f32 tile, equals the
-                // reference run on the f16 rows directly.
-                let kh: Vec<u16> = kr.iter().map(|&x| crate::attn::KvElem::narrow(x)).collect();
-                let vh: Vec<u16> = vr.iter().map(|&x| crate::attn::KvElem::narrow(x)).collect();
-                let (mut st_h, mut acc_h) = (st0, acc0.clone());
-                attn_tile_ref(&q, &kh, &vh, scale, &mut st_h, &mut acc_h, &mut sc);
-                for k in available_tiers() {
+                    let what = format!("[{}] hd {hd}, n {n}, {g} queries, spread {spread}", k.tier);
+                    let check = |(st, acc): (Vec<Running>, Vec<f32>),
+                                 want: &(Vec<Running>, Vec<f32>),
+                                 kind: &str| {
+                        for (a, b) in st.iter().zip(&want.0) {
+                            assert_eq!(a.m.to_bits(), b.m.to_bits(), "{what} {kind}: m");
+                            assert_eq!(a.l.to_bits(), b.l.to_bits(), "{what} {kind}: l");
+                        }
+                        assert_eq!(bits(&acc), bits(&want.1), "{what} {kind}: acc");
+                    };
+                    let (mut st, mut acc, mut sc) =
+                        (st0.clone(), acc0.clone(), vec![0.0; g * n + 3]);
+                    (k.attn_group_f32)(&q, &kr, &vr, scale, &mut st, &mut acc, &mut sc);
+                    check((st, acc), &want32, "f32");
+                    let (mut st, mut acc) = (st0.clone(), acc0.clone());
+                    (k.attn_group_f16)(&q, &kh, &vh, scale, &mut st, &mut acc, &mut sc);
+                    check((st, acc), &want16, "f16");
                     let (mut kf, mut vf) = (vec![0.0; kh.len()], vec![0.0; vh.len()]);
                     (k.widen_f16)(&kh, &mut kf);
                     (k.widen_f16)(&vh, &mut vf);
-                    let (mut st, mut acc) = (st0, acc0.clone());
-                    (k.attn_tile_f32)(&q, &kf, &vf, scale, &mut st, &mut acc, &mut sc);
-                    assert_eq!(st.l.to_bits(), st_h.l.to_bits(), "[{}] f16 l", k.tier);
-                    assert_eq!(bits(&acc), bits(&acc_h), "[{}] f16 acc", k.tier);
+                    let (mut st, mut acc) = (st0.clone(), acc0.clone());
+                    (k.attn_group_f32)(&q, &kf, &vf, scale, &mut st, &mut acc, &mut sc);
+                    check((st, acc), &want16, "f16 widened");
                 }
+                // The dispatching front end picks the same kernels.
+                let (mut st, mut acc, mut sc) = (st0.clone(), acc0.clone(), vec![0.0; g * n]);
+                attn_group(&q, &kh, &vh, scale, &mut st, &mut acc, &mut sc);
+                assert_eq!(bits(&acc), bits(&want16.1), "attn_group f16");
             }
         }
     }
@@ -970,6 +1003,32 @@ fn bench_fast() {
     }
     let mut rng = XorShift::new(171);
     let k = available_tiers().last().copied().unwrap();
+    // One grouped attention tile step (64 positions, head_dim 64), per (query, position).
+    for g in [1, 2, 3] {
+        let (n, hd) = (64, 64);
+        let q = rng.vec_uniform(g * hd, -1.0, 1.0);
+        let kf = rng.vec_uniform(n * hd, -1.0, 1.0);
+        let vf = rng.vec_uniform(n * hd, -1.0, 1.0);
+        let kh: Vec<u16> = kf.iter().map(|&x| crate::attn::KvElem::narrow(x)).collect();
+        let vh: Vec<u16> = vf.iter().map(|&x| crate::attn::KvElem::narrow(x)).collect();
+        let mut st = vec![crate::attn::Running::default(); g];
+        let (mut acc, mut sc) = (vec![0.0; g * hd], vec![0.0; g * n]);
+        let f32_ns = best_ns(|| {
+            st.fill(crate::attn::Running::default());
+            (k.attn_group_f32)(black_box(&q), &kf, &vf, 0.125, &mut st, &mut acc, &mut sc)
+        });
+        let f16_ns = best_ns(|| {
+            st.fill(crate::attn::Running::default());
+            (k.attn_group_f16)(black_box(&q), &kh, &vh, 0.125, &mut st, &mut acc, &mut sc)
+        });
+        let pairs = (g * n) as f64;
+        println!(
+            "attention tile, {g} queries [{}]: f32 {:.2} ns, f16 {:.2} ns per (query, position)",
+            k.tier,
+            f32_ns / pairs,
+            f16_ns / pairs
+        );
+    }
     for (n_in, n_out) in [(576, 1536), (1536, 576), (576, 49152)] {
         let nb = n_in / QK8_0;
         let w4: Vec<BlockQ4_1> = random_blocks(&mut rng, nb * n_out, 2, Scales::Typical);

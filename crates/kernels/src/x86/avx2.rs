@@ -51,7 +51,8 @@ pub(super) static KERNELS: Kernels = Kernels {
     matvec_q8_0,
     gemm_tile,
     exp_inplace,
-    attn_tile_f32,
+    attn_group_f32,
+    attn_group_f16,
     widen_f16,
 };
 
@@ -175,22 +176,46 @@ fn exp_inplace(x: &mut [f32]) {
     unsafe { exp_slice(x) }
 }
 
-fn attn_tile_f32(
+fn attn_group_f32(
     q: &[f32],
     k: &[f32],
     v: &[f32],
     scale: f32,
-    st: &mut Running,
+    st: &mut [Running],
     acc: &mut [f32],
     scores: &mut [f32],
 ) {
-    let (n, hd) = crate::attn::check_tile(q, k, v, acc, scores);
+    attn_group_checked(q, k, v, scale, st, acc, scores)
+}
+
+fn attn_group_f16(
+    q: &[f32],
+    k: &[u16],
+    v: &[u16],
+    scale: f32,
+    st: &mut [Running],
+    acc: &mut [f32],
+    scores: &mut [f32],
+) {
+    attn_group_checked(q, k, v, scale, st, acc, scores)
+}
+
+fn attn_group_checked<T: KvLanes>(
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    scale: f32,
+    st: &mut [Running],
+    acc: &mut [f32],
+    scores: &mut [f32],
+) {
+    let (n, hd) = crate::attn::check_group(q, k, v, st, acc, scores);
     if !hd.is_multiple_of(8) {
-        return crate::attn::attn_tile_ref(q, k, v, scale, st, acc, scores);
+        return crate::attn::attn_group_ref(q, k, v, scale, st, acc, scores);
     }
-    // SAFETY: see above; `check_tile` and the `hd % 8` test establish the shapes
-    // `attn_tile` requires.
-    unsafe { attn_tile(q, k, v, n, scale, st, acc, scores) }
+    // SAFETY: see above; `check_group` and the `hd % 8` test establish the shapes
+    // `attn_group` requires.
+    unsafe { attn_group(q, k, v, n, hd, scale, st, acc, scores) }
 }
 
 fn widen_f16(src: &[u16], dst: &mut [f32]) {
@@ -988,64 +1013,223 @@ fn hsum_8_transposed(a: &[__m256; 8]) -> __m256 {
     _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
 }
 
-/// [`crate::attn::attn_tile_ref`] over `n` f32 rows of `hd = q.len()` elements.
+/// The K/V element types the grouped attention kernel reads, eight at a time as
+/// f32 lanes: f32 rows as they are, f16 rows widened with F16C (exact).
+trait KvLanes: crate::attn::KvElem {
+    /// Eight consecutive elements at `p`, as f32.
+    ///
+    /// # Safety
+    /// `p` points at 8 readable elements and the CPU has AVX2 and F16C.
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl KvLanes for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable f32s and AVX.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
+impl KvLanes for u16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const u16) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable u16s (16 bytes) and F16C.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
+
+/// [`crate::attn::attn_group_ref`]: the `st.len()` queries of one KV head's group
+/// over `n` rows of `hd` elements, in chunks of up to three queries that share
+/// every K and V load (and, for f16 rows, every widening): scores of three
+/// queries over three positions at once (nine accumulators), then each query's
+/// softmax step, then V rows accumulated into three queries' outputs at once.
 ///
 /// # Safety
-/// `hd % 8 == 0`, `hd > 0`, `k.len() == v.len() == n·hd`, `acc.len() == hd`,
-/// `scores.len() >= n`, `n > 0`, and the CPU has AVX2, FMA and F16C.
+/// `hd % 8 == 0`, `hd > 0`, `n > 0`, `k.len() == v.len() == n·hd`,
+/// `q.len() == acc.len() == st.len()·hd`, `scores.len() >= st.len()·n`, and the
+/// CPU has AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn attn_tile(
+unsafe fn attn_group<T: KvLanes>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[T],
+    v: &[T],
     n: usize,
+    hd: usize,
     scale: f32,
-    st: &mut Running,
+    st: &mut [Running],
     acc: &mut [f32],
     scores: &mut [f32],
 ) {
-    let hd = q.len();
     debug_assert!(
-        hd.is_multiple_of(8) && k.len() == n * hd && v.len() == n * hd && acc.len() == hd
+        hd.is_multiple_of(8)
+            && k.len() == n * hd
+            && v.len() == n * hd
+            && q.len() == st.len() * hd
+            && acc.len() == q.len()
+            && scores.len() >= st.len() * n
     );
-    let (qp, kp, vp) = (q.as_ptr(), k.as_ptr(), v.as_ptr());
-    let s = &mut scores[..n];
-    let scale_v = _mm256_set1_ps(scale);
-    // 1. Scores, eight positions at a time.
+    let mut g0 = 0;
+    while g0 < st.len() {
+        let gn = (st.len() - g0).min(3);
+        let qs = &q[g0 * hd..(g0 + gn) * hd];
+        let s = &mut scores[g0 * n..(g0 + gn) * n];
+        // SAFETY: (all three calls) the chunk's shapes are those of the whole
+        // group restricted to `gn` queries, as each callee requires.
+        unsafe {
+            match gn {
+                3 => group_scores::<T, 3, 3>(qs, k, n, hd, scale, s),
+                2 => group_scores::<T, 2, 4>(qs, k, n, hd, scale, s),
+                _ => group_scores::<T, 1, 8>(qs, k, n, hd, scale, s),
+            }
+        }
+        let accs = &mut acc[g0 * hd..(g0 + gn) * hd];
+        for ((w, run), a) in s
+            .chunks_exact_mut(n)
+            .zip(&mut st[g0..g0 + gn])
+            .zip(accs.chunks_exact_mut(hd))
+        {
+            softmax_step(w, run, a);
+        }
+        let vp = v.as_ptr();
+        let mut d0 = 0;
+        // SAFETY: (each call) d0 + 8R <= hd, `vp` points at n·hd readable
+        // elements, `s` holds gn·n weights and `accs` gn·hd values.
+        unsafe {
+            while d0 + 32 <= hd {
+                match gn {
+                    // Three queries' 4-vector strips would need all 16 registers.
+                    3 => {
+                        accumulate_v::<T, 3, 2>(s, n, vp, hd, d0, accs);
+                        accumulate_v::<T, 3, 2>(s, n, vp, hd, d0 + 16, accs);
+                    }
+                    2 => accumulate_v::<T, 2, 4>(s, n, vp, hd, d0, accs),
+                    _ => accumulate_v::<T, 1, 4>(s, n, vp, hd, d0, accs),
+                }
+                d0 += 32;
+            }
+            while d0 < hd {
+                match gn {
+                    3 => accumulate_v::<T, 3, 1>(s, n, vp, hd, d0, accs),
+                    2 => accumulate_v::<T, 2, 1>(s, n, vp, hd, d0, accs),
+                    _ => accumulate_v::<T, 1, 1>(s, n, vp, hd, d0, accs),
+                }
+                d0 += 8;
+            }
+        }
+        g0 += gn;
+    }
+}
+
+/// `s[g·n + p] = dot_fma1(q_g, k_p) · scale` for the `G` queries of `q` and every
+/// position `p < n`, `P` positions at a time (`G·P` order-F1 accumulators, each K
+/// vector loaded once for the `G` queries), the rest one position at a time.
+///
+/// # Safety
+/// `hd % 8 == 0`, `q.len() == G·hd`, `k.len() == n·hd`, `s.len() == G·n`, and the
+/// CPU has AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // g and j index two arrays at once
+unsafe fn group_scores<T: KvLanes, const G: usize, const P: usize>(
+    q: &[f32],
+    k: &[T],
+    n: usize,
+    hd: usize,
+    scale: f32,
+    s: &mut [f32],
+) {
+    debug_assert!(q.len() == G * hd && k.len() == n * hd && s.len() == G * n);
+    let (qp, kp) = (q.as_ptr(), k.as_ptr());
     let mut p = 0;
-    while p + 8 <= n {
-        let mut a = [_mm256_setzero_ps(); 8];
+    while p + P <= n {
+        let mut a = [[_mm256_setzero_ps(); P]; G];
         for c in (0..hd).step_by(8) {
-            // SAFETY: c + 8 <= hd = q.len().
-            let qv = unsafe { _mm256_loadu_ps(qp.add(c)) };
-            for (j, a) in a.iter_mut().enumerate() {
+            // SAFETY: g < G and c + 8 <= hd: inside `q` (G·hd elements).
+            let qv: [__m256; G] =
+                std::array::from_fn(|g| unsafe { _mm256_loadu_ps(qp.add(g * hd + c)) });
+            for j in 0..P {
                 // SAFETY: p + j < n and c + 8 <= hd: inside `k` (n·hd elements).
-                let kv = unsafe { _mm256_loadu_ps(kp.add((p + j) * hd + c)) };
+                let kv = unsafe { T::load8(kp.add((p + j) * hd + c)) };
+                for g in 0..G {
+                    a[g][j] = _mm256_fmadd_ps(qv[g], kv, a[g][j]);
+                }
+            }
+        }
+        let mut sums = [0.0f32; 16];
+        reduce_accumulators(a.as_flattened(), scale, &mut sums[..G * P]);
+        for g in 0..G {
+            s[g * n + p..][..P].copy_from_slice(&sums[g * P..(g + 1) * P]);
+        }
+        p += P;
+    }
+    while p < n {
+        let mut a = [_mm256_setzero_ps(); G];
+        for c in (0..hd).step_by(8) {
+            // SAFETY: as above, for one position.
+            let kv = unsafe { T::load8(kp.add(p * hd + c)) };
+            for (g, a) in a.iter_mut().enumerate() {
+                // SAFETY: as above.
+                let qv = unsafe { _mm256_loadu_ps(qp.add(g * hd + c)) };
                 *a = _mm256_fmadd_ps(qv, kv, *a);
             }
         }
-        let sums = _mm256_mul_ps(hsum_8_transposed(&a), scale_v);
-        store_f32x8(&mut s[p..p + 8], sums);
-        p += 8;
-    }
-    while p < n {
-        let mut a = _mm256_setzero_ps();
-        for c in (0..hd).step_by(8) {
-            // SAFETY: as above, for one position.
-            let (qv, kv) = unsafe {
-                (
-                    _mm256_loadu_ps(qp.add(c)),
-                    _mm256_loadu_ps(kp.add(p * hd + c)),
-                )
-            };
-            a = _mm256_fmadd_ps(qv, kv, a);
+        for (g, a) in a.iter().enumerate() {
+            s[g * n + p] = hsum_lanes(*a) * scale;
         }
-        s[p] = hsum_lanes(a) * scale;
         p += 1;
     }
-    // 2. The new maximum and the correction of the running state.
-    let tmax = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+}
+
+/// `out[i] = reduce_lanes(a[i]) · scale` for up to 16 accumulators, eight at a
+/// time through [`hsum_8_transposed`]; a last group of four or more is padded with
+/// zeros (whose lanes are dropped), a shorter one reduced one by one.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn reduce_accumulators(a: &[__m256], scale: f32, out: &mut [f32]) {
+    debug_assert!(a.len() == out.len() && a.len() <= 16);
+    for (a, out) in a.chunks(8).zip(out.chunks_mut(8)) {
+        if a.len() < 4 {
+            for (o, &v) in out.iter_mut().zip(a) {
+                *o = hsum_lanes(v) * scale;
+            }
+            continue;
+        }
+        let mut group = [_mm256_setzero_ps(); 8];
+        group[..a.len()].copy_from_slice(a);
+        let mut lanes = [0.0f32; 8];
+        let sums = _mm256_mul_ps(hsum_8_transposed(&group), _mm256_set1_ps(scale));
+        store_f32x8(&mut lanes, sums);
+        out.copy_from_slice(&lanes[..out.len()]);
+    }
+}
+
+/// The largest of `s` (at least one value); for finite values the same as
+/// folding with `f32::max`, since a maximum does not depend on the order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn max_of(s: &[f32]) -> f32 {
+    let mut chunks = s.chunks_exact(8);
+    let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+    for c in chunks.by_ref() {
+        m = _mm256_max_ps(m, load_f32x8(c));
+    }
+    let mut lanes = [0.0f32; 8];
+    store_f32x8(&mut lanes, m);
+    lanes
+        .into_iter()
+        .chain(chunks.remainder().iter().copied())
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// Steps 2 and 3 of [`crate::attn::attn_tile_ref`] for one query: the new maximum,
+/// the correction of the running state and of `acc`, the weights `exp(s - m')`
+/// written over the scores, their sum in 8 lanes; then `m = m'`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn softmax_step(s: &mut [f32], st: &mut Running, acc: &mut [f32]) {
+    let tmax = max_of(s);
     let m_new = st.m.max(tmax);
     if st.m != f32::NEG_INFINITY {
         let c = exp_ref(st.m - m_new);
@@ -1056,7 +1240,6 @@ unsafe fn attn_tile(
             store_f32x8(a, x);
         }
     }
-    // 3. Weights and their sum in 8 lanes.
     let mv = _mm256_set1_ps(m_new);
     let mut lanes_v = _mm256_setzero_ps();
     let mut groups = s.chunks_exact_mut(8);
@@ -1072,45 +1255,42 @@ unsafe fn attn_tile(
         lanes[j] += *w;
     }
     st.l += crate::f32::reduce_lanes(&lanes);
-    // 4. acc += w_p · v_p, 64 dimensions (8 registers) at a time where possible.
-    let mut d0 = 0;
-    while d0 + 64 <= hd {
-        // SAFETY: d0 + 64 <= hd.
-        unsafe { accumulate_v::<8>(s, vp, hd, d0, acc) };
-        d0 += 64;
-    }
-    while d0 < hd {
-        // SAFETY: d0 + 8 <= hd (hd is a multiple of 8).
-        unsafe { accumulate_v::<1>(s, vp, hd, d0, acc) };
-        d0 += 8;
-    }
     st.m = m_new;
 }
 
-/// `acc[d] = fma(w[p], v[p·hd + d], acc[d])` for `d` in `d0..d0 + 8R`, `p` in order.
+/// `acc_g[d] = fma(w_g[p], v[p·hd + d], acc_g[d])` for the `G` queries (weights
+/// `w[g·n..]`, outputs `acc[g·hd..]`), `d` in `d0..d0 + 8R`, `p` in order: each V
+/// vector is loaded (and widened) once for the `G` queries.
 ///
 /// # Safety
-/// `d0 + 8R <= hd == acc.len()`, `vp` points at `w.len()·hd` readable f32s, and
-/// the CPU has AVX2 and FMA.
+/// `d0 + 8R <= hd`, `w.len() == G·n`, `acc.len() == G·hd`, `vp` points at `n·hd`
+/// readable elements, and the CPU has AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn accumulate_v<const R: usize>(
+unsafe fn accumulate_v<T: KvLanes, const G: usize, const R: usize>(
     w: &[f32],
-    vp: *const f32,
+    n: usize,
+    vp: *const T,
     hd: usize,
     d0: usize,
     acc: &mut [f32],
 ) {
-    let mut a: [__m256; R] = std::array::from_fn(|r| load_f32x8(&acc[d0 + 8 * r..]));
-    for (p, &wp) in w.iter().enumerate() {
-        let wb = _mm256_set1_ps(wp);
-        for (r, a) in a.iter_mut().enumerate() {
-            // SAFETY: p < w.len() and d0 + 8r + 8 <= hd: inside the V rows.
-            let x = unsafe { _mm256_loadu_ps(vp.add(p * hd + d0 + 8 * r)) };
-            *a = _mm256_fmadd_ps(wb, x, *a);
+    debug_assert!(d0 + 8 * R <= hd && w.len() == G * n && acc.len() == G * hd);
+    let mut a: [[__m256; R]; G] =
+        std::array::from_fn(|g| std::array::from_fn(|r| load_f32x8(&acc[g * hd + d0 + 8 * r..])));
+    for p in 0..n {
+        let wb: [__m256; G] = std::array::from_fn(|g| _mm256_set1_ps(w[g * n + p]));
+        for r in 0..R {
+            // SAFETY: p < n and d0 + 8r + 8 <= hd: inside the V rows.
+            let x = unsafe { T::load8(vp.add(p * hd + d0 + 8 * r)) };
+            for (a, &wb) in a.iter_mut().zip(&wb) {
+                a[r] = _mm256_fmadd_ps(wb, x, a[r]);
+            }
         }
     }
-    for (r, a) in a.iter().enumerate() {
-        store_f32x8(&mut acc[d0 + 8 * r..], *a);
+    for (g, a) in a.iter().enumerate() {
+        for (r, a) in a.iter().enumerate() {
+            store_f32x8(&mut acc[g * hd + d0 + 8 * r..], *a);
+        }
     }
 }
