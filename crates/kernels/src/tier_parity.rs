@@ -903,8 +903,8 @@ fn group_ref<T: crate::attn::KvElem>(
     acc0: &[f32],
 ) -> (Vec<crate::attn::Running>, Vec<f32>) {
     let (mut st, mut acc) = (st0.to_vec(), acc0.to_vec());
-    let mut scores =
-        vec![0.0; q.len() / acc0.len() * st0.len() * k.len() / (acc0.len() / st0.len())];
+    let hd = acc0.len() / st0.len();
+    let mut scores = vec![0.0; st0.len() * (k.len() / hd)];
     crate::attn::attn_group_ref(q, k, v, scale, &mut st, &mut acc, &mut scores);
     (st, acc)
 }
