@@ -43,6 +43,8 @@ enum Command {
     /// Benchmarks: context sweep (default, CSV/SVG), --summary (like llama-bench),
     /// --prefix-reuse (cold prefill vs checkpoint write and restore).
     Bench(bench::BenchArgs),
+    /// Show the kernel tier in use (and the tiers and SIMD features of this CPU), default threads and paths.
+    Info,
 }
 
 #[derive(Subcommand)]
@@ -102,5 +104,70 @@ fn main() -> Result<()> {
         Command::Model(ModelCommand::Ls) => models::list(),
         Command::Kv(k) => kv::run(&k),
         Command::Bench(b) => bench::run(&b),
+        Command::Info => info(),
+    }
+}
+
+/// `ds4 info`: what a run on this machine would use.
+fn info() -> Result<()> {
+    println!("ds4 {}", env!("CARGO_PKG_VERSION"));
+    let cap = std::env::var("DS4_KERNELS").unwrap_or_default();
+    let cap = if cap.trim().is_empty() {
+        "unset".to_string()
+    } else {
+        format!("{cap:?}")
+    };
+    let tier = ds4_engine::requested_kernel_tier().map_err(anyhow::Error::msg)?;
+    println!(
+        "kernel tier: {tier} (available: {}; DS4_KERNELS {cap})",
+        ds4_engine::available_kernel_tiers().join(", ")
+    );
+    println!("cpu features: {}", cpu_features());
+    println!(
+        "threads: {} by default (--threads)",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    println!("DS4_HOME: {}", models::ds4_home()?.display());
+    println!("models: {}", models::models_dir()?.display());
+    Ok(())
+}
+
+/// The SIMD features the kernels care about, as detected at run time.
+fn cpu_features() -> String {
+    #[allow(unused_mut)]
+    let mut found: Vec<&str> = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        macro_rules! detect {
+            ($($f:tt),*) => {
+                $(if std::arch::is_x86_feature_detected!($f) { found.push($f); })*
+            };
+        }
+        detect!(
+            "sse4.2",
+            "avx",
+            "avx2",
+            "fma",
+            "f16c",
+            "avx512f",
+            "avx512bw",
+            "avx512vl",
+            "avx512vnni",
+            "avxvnni"
+        );
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            found.push("neon");
+        }
+        if std::arch::is_aarch64_feature_detected!("dotprod") {
+            found.push("dotprod");
+        }
+    }
+    if found.is_empty() {
+        "none detected".to_string()
+    } else {
+        found.join(" ")
     }
 }

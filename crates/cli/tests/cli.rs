@@ -49,6 +49,7 @@ fn every_subcommand_has_help() {
         (&["model", "pull", "--help"], "smollm2"),
         (&["model", "ls", "--help"], "List"),
         (&["bench", "--help"], "--prefix-reuse"),
+        (&["info", "--help"], "kernel tier"),
     ] {
         let out = stdout(&run_ok(args));
         assert!(
@@ -56,6 +57,43 @@ fn every_subcommand_has_help() {
             "ds4 {args:?} --help lacks {must:?}:\n{out}"
         );
     }
+}
+
+/// `ds4 info` names the tier in use among those the CPU offers, follows a
+/// `DS4_KERNELS` cap, and turns a bad one into an error that says what it takes.
+#[test]
+fn info_reports_the_kernel_tier() {
+    let out = stdout(&run_ok(&["info"]));
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("kernel tier: "))
+        .unwrap_or_else(|| panic!("no tier line:\n{out}"));
+    let tier = line["kernel tier: ".len()..].split(' ').next().unwrap();
+    let available = line.split("available: ").nth(1).unwrap();
+    assert!(available.starts_with("scalar"), "{line}");
+    assert!(available.contains(tier), "{line}");
+    assert!(out.contains("cpu features: "), "{out}");
+    let capped = ds4()
+        .arg("info")
+        .env("DS4_KERNELS", "scalar")
+        .output()
+        .unwrap();
+    assert!(
+        stdout(&capped).contains("kernel tier: scalar ("),
+        "{}",
+        stdout(&capped)
+    );
+    let bad = ds4()
+        .arg("info")
+        .env("DS4_KERNELS", "avx9")
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(
+        stderr(&bad).contains("DS4_KERNELS=\"avx9\" is not a kernel tier; expected one of scalar"),
+        "{}",
+        stderr(&bad)
+    );
 }
 
 #[test]

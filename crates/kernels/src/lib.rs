@@ -45,6 +45,7 @@ pub mod q5_0;
 pub mod q6_k;
 pub mod q8_0;
 pub mod q8_k;
+pub mod q8_matvec;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -96,6 +97,10 @@ pub(crate) struct Kernels {
     pub(crate) matvec_q4_1: fn(&[q4_1::BlockQ4_1], &[f32], &mut [f32]),
     /// [`fast::matvec_q8_0_ref`].
     pub(crate) matvec_q8_0: fn(&[BlockQ8_0], &[f32], &mut [f32]),
+    /// [`q8_matvec::matvec_q4_1_q8_0_ref`].
+    pub(crate) matvec_q4_1_q8_0: fn(&[q4_1::BlockQ4_1], &[BlockQ8_0], &mut [f32]),
+    /// [`q8_matvec::matvec_q8_0_q8_0_ref`].
+    pub(crate) matvec_q8_0_q8_0: fn(&[BlockQ8_0], &[BlockQ8_0], &mut [f32]),
     /// [`fast::gemm_tile_ref`].
     pub(crate) gemm_tile: fn(&[f32], &[f32], usize, &mut [f32]),
     /// [`attn::exp_inplace_ref`].
@@ -128,6 +133,8 @@ pub(crate) static SCALAR: Kernels = Kernels {
     dequantize_row_q4_1_fma: fast::dequantize_row_q4_1_fma_ref,
     matvec_q4_1: fast::matvec_q4_1_ref,
     matvec_q8_0: fast::matvec_q8_0_ref,
+    matvec_q4_1_q8_0: q8_matvec::matvec_q4_1_q8_0_ref,
+    matvec_q8_0_q8_0: q8_matvec::matvec_q8_0_q8_0_ref,
     gemm_tile: fast::gemm_tile_ref,
     exp_inplace: attn::exp_inplace_ref,
     attn_group_f32: attn::attn_group_ref::<f32>,
@@ -196,6 +203,20 @@ fn kernels() -> &'static Kernels {
 /// If `DS4_KERNELS` is set to something other than a tier name.
 pub fn kernel_tier() -> &'static str {
     kernels().tier
+}
+
+/// The kernel tiers this CPU can run, lowest first (`"scalar"` always; the
+/// selected one is [`kernel_tier`]).
+pub fn available_kernel_tiers() -> Vec<&'static str> {
+    available_tiers().iter().map(|k| k.tier).collect()
+}
+
+/// The tier [`kernel_tier`] picks or would pick, or why `DS4_KERNELS` names none:
+/// a front end calls this first to turn a bad value into a clear error instead
+/// of [`kernel_tier`]'s panic.
+pub fn requested_kernel_tier() -> Result<&'static str, String> {
+    let request = std::env::var("DS4_KERNELS").ok();
+    select_tier(request.as_deref(), &available_tiers()).map(|k| k.tier)
 }
 
 /// Errors from the type-erased front end. Each names the format and the sizes involved.
@@ -677,6 +698,45 @@ pub fn vec_dot(fmt: WeightFormat, n: usize, w_row: &[u8], act: ActivationRow<'_>
             fmt.activation_format().name(),
             act.format().name()
         ),
+    }
+}
+
+/// `out[r] = vec_dot(fmt, n, row r of w_rows, act)` for the `out.len()` rows of
+/// `w_rows` (back to back), bit for bit: Q4_1 and Q8_0 rows go through the
+/// multi-row kernels of [`q8_matvec`], which share each activation block between
+/// rows; other formats through [`vec_dot`] row by row.
+///
+/// # Panics
+/// If `w_rows` does not hold `out.len()` rows of `n` elements of `fmt`, or `act`
+/// is not `n` elements of `fmt.activation_format()`.
+pub fn vec_dot_rows(
+    fmt: WeightFormat,
+    n: usize,
+    w_rows: &[u8],
+    act: ActivationRow<'_>,
+    out: &mut [f32],
+) {
+    let row_bytes = fmt.row_bytes(n);
+    assert!(
+        row_bytes.and_then(|b| b.checked_mul(out.len())) == Some(w_rows.len()),
+        "{}: {} weight bytes do not hold {} rows of {n} elements",
+        fmt.name(),
+        w_rows.len(),
+        out.len()
+    );
+    match (fmt, act) {
+        (WeightFormat::Q4_1, ActivationRow::Q8_0(y)) if y.len() * QK8_0 == n => {
+            (kernels().matvec_q4_1_q8_0)(cast_checked(w_rows), y, out)
+        }
+        (WeightFormat::Q8_0, ActivationRow::Q8_0(y)) if y.len() * QK8_0 == n => {
+            (kernels().matvec_q8_0_q8_0)(cast_checked(w_rows), y, out)
+        }
+        _ => {
+            let rb = row_bytes.unwrap_or(0).max(1);
+            for (row, o) in w_rows.chunks_exact(rb).zip(out.iter_mut()) {
+                *o = vec_dot(fmt, n, row, act);
+            }
+        }
     }
 }
 

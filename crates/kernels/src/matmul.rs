@@ -5,7 +5,9 @@
 use std::cell::RefCell;
 
 use crate::pool::{split_range, ThreadPool};
-use crate::{dequantize_row, vec_dot, QuantizedActivations, WeightFormat};
+#[cfg(test)]
+use crate::vec_dot;
+use crate::{dequantize_row, vec_dot_rows, QuantizedActivations, WeightFormat};
 
 /// A row-major weight matrix of `n_out` rows of `n_in` elements in one format:
 /// ggml's `[n_in, n_out]` tensor.
@@ -55,10 +57,23 @@ impl OutPtr {
         // SAFETY: guaranteed by the caller.
         unsafe { *self.0.add(i) = v }
     }
+
+    /// # Safety
+    /// `start..start + len` is in bounds of the output and no other thread writes
+    /// those indices while the slice lives.
+    unsafe fn slice<'a>(self, start: usize, len: usize) -> &'a mut [f32] {
+        // SAFETY: guaranteed by the caller.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
+    }
 }
 
+/// Weight rows [`matmul`] runs against every token before moving on: 64 rows of a
+/// few hundred bytes stay in L1 while the tokens of a batch reuse them.
+const ROW_BLOCK: usize = 64;
+
 /// `out[t * n_out + r] = w.row(r) · act.row(t)` for every token `t` of `act`, with
-/// activations already converted to `w.fmt.activation_format()`.
+/// activations already converted to `w.fmt.activation_format()`: each value is
+/// exactly [`vec_dot`] of its row and token, however many threads and tokens.
 pub fn matmul(
     pool: &ThreadPool,
     w: &WeightMatrix<'_>,
@@ -70,14 +85,16 @@ pub fn matmul(
     assert_eq!(out.len(), n_tokens * w.n_out, "output size");
     let ptr = OutPtr(out.as_mut_ptr());
     let n_threads = pool.n_threads();
+    let rb = w.row_bytes();
     pool.run(&|ith| {
-        for r in split_range(w.n_out, ith, n_threads) {
-            let row = w.row(r);
+        let rows = split_range(w.n_out, ith, n_threads);
+        for r0 in rows.clone().step_by(ROW_BLOCK) {
+            let r1 = (r0 + ROW_BLOCK).min(rows.end);
             for t in 0..n_tokens {
-                let v = vec_dot(w.fmt, w.n_in, row, act.row(t));
-                // SAFETY: r < n_out and t < n_tokens, so the index is in bounds;
-                // row r belongs to this thread alone.
-                unsafe { ptr.write(t * w.n_out + r, v) };
+                // SAFETY: rows r0..r1 of token t lie inside the output (r1 <= n_out,
+                // t < n_tokens) and belong to this thread alone (`split_range`).
+                let o = unsafe { ptr.slice(t * w.n_out + r0, r1 - r0) };
+                vec_dot_rows(w.fmt, w.n_in, &w.data[r0 * rb..r1 * rb], act.row(t), o);
             }
         }
     });
@@ -177,7 +194,7 @@ fn matvec_rows(w: &WeightMatrix<'_>, x: &[f32], rows: std::ops::Range<usize>, ou
     // SAFETY: `rows` lies within `0..n_out` (the output holds n_out values for the
     // one token) and belongs to this thread alone (`split_range`), so the slice is
     // in bounds and no other thread touches it until `run` returns.
-    let out = unsafe { std::slice::from_raw_parts_mut(out.0.add(rows.start), rows.len()) };
+    let out = unsafe { out.slice(rows.start, rows.len()) };
     match w.fmt {
         WeightFormat::Q4_1 => crate::fast::matvec_q4_1(cast_rows(w, data), x, out),
         WeightFormat::Q8_0 => crate::fast::matvec_q8_0(cast_rows(w, data), x, out),

@@ -801,6 +801,44 @@ fn fused_matvecs_are_bit_identical_on_every_tier() {
     }
 }
 
+/// The multi-row products against 8-bit activations give every row exactly the
+/// scalar dot product of its format, on every tier: row counts around the 4-row
+/// groups, block counts around the 8-block chunks, any finite scales, and
+/// activation quants over the whole i8 range (-128 included) as well as
+/// quantizer output.
+#[test]
+fn q8_matvecs_are_bit_identical_on_every_tier() {
+    let mut rng = XorShift::new(164);
+    for nb in [1, 2, 7, 8, 9, 18, 48] {
+        for n_rows in [1, 3, 4, 5, 8, 11] {
+            for how in [Scales::AnyFinite, Scales::Typical] {
+                let w4: Vec<BlockQ4_1> = random_blocks(&mut rng, nb * n_rows, 2, how);
+                let w8: Vec<BlockQ8_0> = random_blocks(&mut rng, nb * n_rows, 1, how);
+                let mut quantized = vec![BlockQ8_0::ZERO; nb];
+                q8_0::quantize_row_ref(&activations(&mut rng, nb * QK8_0), &mut quantized);
+                let raw: Vec<BlockQ8_0> = random_blocks(&mut rng, nb, 1, how);
+                for y in [&quantized, &raw] {
+                    let want4: Vec<f32> = w4
+                        .chunks_exact(nb)
+                        .map(|r| crate::q4_1::vec_dot_q4_1_q8_0(r, y))
+                        .collect();
+                    let want8: Vec<f32> = w8
+                        .chunks_exact(nb)
+                        .map(|r| q8_0::vec_dot_q8_0_q8_0(r, y))
+                        .collect();
+                    for k in available_tiers() {
+                        let mut got = vec![f32::NAN; n_rows];
+                        (k.matvec_q4_1_q8_0)(&w4, y, &mut got);
+                        assert_eq!(bits(&got), bits(&want4), "q4_1 [{}] {nb}x{n_rows}", k.tier);
+                        (k.matvec_q8_0_q8_0)(&w8, y, &mut got);
+                        assert_eq!(bits(&got), bits(&want8), "q8_0 [{}] {nb}x{n_rows}", k.tier);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Every tile shape gives each (row, token) exactly `dot_fma1` of the pair.
 #[test]
 fn gemm_tiles_are_bit_identical_on_every_tier() {

@@ -49,6 +49,8 @@ pub(super) static KERNELS: Kernels = Kernels {
     dequantize_row_q4_1_fma,
     matvec_q4_1,
     matvec_q8_0,
+    matvec_q4_1_q8_0,
+    matvec_q8_0_q8_0,
     gemm_tile,
     exp_inplace,
     attn_group_f32,
@@ -138,6 +140,24 @@ fn matvec_q8_0(w: &[BlockQ8_0], x: &[f32], out: &mut [f32]) {
     let nb = crate::fast::check_matvec(w.len(), QK8_0, x.len(), out.len());
     // SAFETY: see above; the shapes were checked, as `mv_q8_0` requires.
     unsafe { mv_q8_0(w, nb, x, out) }
+}
+
+fn matvec_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], out: &mut [f32]) {
+    let nb = crate::q8_matvec::check_rows(w.len(), y.len(), out.len());
+    if nb == 0 {
+        return crate::q8_matvec::matvec_q4_1_q8_0_ref(w, y, out);
+    }
+    // SAFETY: see above; the shapes were checked, as `mvq_q4_1` requires.
+    unsafe { mvq_q4_1(w, nb, y, out) }
+}
+
+fn matvec_q8_0_q8_0(w: &[BlockQ8_0], y: &[BlockQ8_0], out: &mut [f32]) {
+    let nb = crate::q8_matvec::check_rows(w.len(), y.len(), out.len());
+    if nb == 0 {
+        return crate::q8_matvec::matvec_q8_0_q8_0_ref(w, y, out);
+    }
+    // SAFETY: see above; the shapes were checked, as `mvq_q8_0` requires.
+    unsafe { mvq_q8_0(w, nb, y, out) }
 }
 
 fn gemm_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
@@ -263,6 +283,14 @@ fn store_f32x8(out: &mut [f32], v: __m256) {
     let out: &mut [f32; 8] = (&mut out[..8]).try_into().unwrap();
     // SAFETY: `out` is 8 writable f32s; `storeu` has no alignment requirement.
     unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn store_f32x4(out: &mut [f32], v: __m128) {
+    let out: &mut [f32; 4] = (&mut out[..4]).try_into().unwrap();
+    // SAFETY: `out` is 4 writable f32s; `storeu` has no alignment requirement.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), v) }
 }
 
 /// The first 4 bytes of each of up to 8 blocks (their f16 `d`, and for Q4_1
@@ -517,6 +545,203 @@ fn dot_q8_0_q8_0(x: &[BlockQ8_0], y: &[BlockQ8_0]) -> f32 {
         sumf = add_in_order(sumf, terms, xc.len());
     }
     sumf
+}
+
+/// `sumf[r] += terms[r][i]` for `i` in `0..n`, in order, for four rows at once:
+/// four lanes of the scalar loop's serial sum (IEEE addition is the same in a
+/// lane as in a scalar register).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn add_in_order_x4(mut sumf: __m128, t: &[__m256; 4], n: usize) -> __m128 {
+    // Transpose: v_i = [t0[i] t1[i] t2[i] t3[i] | t0[i+4] t1[i+4] t2[i+4] t3[i+4]].
+    let u0 = _mm256_unpacklo_ps(t[0], t[1]);
+    let u1 = _mm256_unpackhi_ps(t[0], t[1]);
+    let u2 = _mm256_unpacklo_ps(t[2], t[3]);
+    let u3 = _mm256_unpackhi_ps(t[2], t[3]);
+    let v = [
+        _mm256_shuffle_ps::<0x44>(u0, u2),
+        _mm256_shuffle_ps::<0xEE>(u0, u2),
+        _mm256_shuffle_ps::<0x44>(u1, u3),
+        _mm256_shuffle_ps::<0xEE>(u1, u3),
+    ];
+    let lo = |i: usize| _mm256_castps256_ps128(v[i]);
+    let hi = |i: usize| _mm256_extractf128_ps::<1>(v[i]);
+    if n == 8 {
+        for i in 0..4 {
+            sumf = _mm_add_ps(sumf, lo(i));
+        }
+        for i in 0..4 {
+            sumf = _mm_add_ps(sumf, hi(i));
+        }
+    } else {
+        for i in 0..n {
+            sumf = _mm_add_ps(sumf, if i < 4 { lo(i) } else { hi(i - 4) });
+        }
+    }
+    sumf
+}
+
+/// The float terms `sumi·(dx·dy)` of up to eight Q8_0 blocks, as
+/// [`dot_q8_0_q8_0`] forms them (`dy` given).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q8_0_terms(xc: &[BlockQ8_0], yc: &[BlockQ8_0], dy: __m256) -> __m256 {
+    let mut p = [_mm256_setzero_si256(); 8];
+    for (p, (bx, by)) in p.iter_mut().zip(xc.iter().zip(yc)) {
+        *p = sumi_q8_0(bx, by);
+    }
+    let sumi = _mm256_cvtepi32_ps(hsum_8x8(&p));
+    let dx = f16_lo(gather_head(xc));
+    _mm256_mul_ps(sumi, _mm256_mul_ps(dx, dy))
+}
+
+/// Most blocks per row [`mvq_q4_1`] prepares activations for on the stack (rows of
+/// up to 8192 elements); longer rows go one at a time through [`dot_q4_1_q8_0`].
+const MVQ_MAX_BLOCKS: usize = 256;
+
+/// [`crate::q8_matvec::matvec_q4_1_q8_0_ref`] for rows of `nb` blocks: four rows
+/// at a time, each with the arithmetic of [`dot_q4_1_q8_0`] (exact integer block
+/// sums, float terms eight blocks wide, the serial sum in block order). What the
+/// rows share is prepared once per call: the activation terms `dy` and
+/// `sum8·dy` of every eight blocks, and the activation quants rearranged by
+/// block pairs, so that one 256-bit load of two blocks' nibbles meets both
+/// blocks' activations in two `maddubs` ([`q4_1_pair_terms`]). The four serial
+/// sums run in the lanes of one register.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn mvq_q4_1(w: &[BlockQ4_1], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
+    if nb > MVQ_MAX_BLOCKS {
+        for (row, o) in w.chunks_exact(nb).zip(out.iter_mut()) {
+            *o = dot_q4_1_q8_0(row, y);
+        }
+        return;
+    }
+    let n_chunks = nb.div_ceil(8);
+    let mut dy = [_mm256_setzero_ps(); MVQ_MAX_BLOCKS / 8];
+    let mut s = [_mm256_setzero_ps(); MVQ_MAX_BLOCKS / 8];
+    for ((yc, dy), s) in y.chunks(8).zip(&mut dy).zip(&mut s) {
+        let mut p8 = [_mm256_setzero_si256(); 8];
+        for (p, by) in p8.iter_mut().zip(yc) {
+            *p = sum_pairs_i16(_mm256_maddubs_epi16(
+                _mm256_set1_epi8(1),
+                load_i8x32(&by.qs),
+            ));
+        }
+        *dy = f16_lo(gather_head(yc));
+        *s = _mm256_mul_ps(_mm256_cvtepi32_ps(hsum_8x8(&p8)), *dy);
+    }
+    // Pair p: [y_2p[0..16] | y_2p+1[0..16]] and [y_2p[16..32] | y_2p+1[16..32]],
+    // zeros past the last block.
+    let mut pairs = [[_mm256_setzero_si256(); 2]; MVQ_MAX_BLOCKS / 2];
+    for (yp, pair) in y.chunks(2).zip(&mut pairs) {
+        let a = load_i8x32(&yp[0].qs);
+        let b = yp
+            .get(1)
+            .map_or(_mm256_setzero_si256(), |b| load_i8x32(&b.qs));
+        *pair = [
+            _mm256_permute2x128_si256::<0x20>(a, b),
+            _mm256_permute2x128_si256::<0x31>(a, b),
+        ];
+    }
+    let mut rows = w.chunks_exact(4 * nb);
+    let mut outs = out.chunks_exact_mut(4);
+    for (w4, o4) in rows.by_ref().zip(outs.by_ref()) {
+        let mut sumf = _mm_setzero_ps();
+        let ahead = Prefetch::new(w4, 2);
+        for c in 0..n_chunks {
+            ahead.step(c, n_chunks);
+            let len = (nb - 8 * c).min(8);
+            let xc = |r: usize| &w4[r * nb + 8 * c..][..len];
+            let yp = &pairs[4 * c..];
+            let terms = [
+                q4_1_pair_terms(xc(0), yp, dy[c], s[c]),
+                q4_1_pair_terms(xc(1), yp, dy[c], s[c]),
+                q4_1_pair_terms(xc(2), yp, dy[c], s[c]),
+                q4_1_pair_terms(xc(3), yp, dy[c], s[c]),
+            ];
+            sumf = add_in_order_x4(sumf, &terms, len);
+        }
+        store_f32x4(o4, sumf);
+    }
+    for (row, o) in rows.remainder().chunks_exact(nb).zip(outs.into_remainder()) {
+        *o = dot_q4_1_q8_0(row, y);
+    }
+}
+
+/// The float terms `(dx·dy)·sumi + m·s` of up to eight Q4_1 blocks, as
+/// [`dot_q4_1_q8_0`] forms them, from activations arranged by block pairs (see
+/// [`mvq_q4_1`]). Each pair's integer sums come from one load of both blocks'
+/// nibbles: low and high nibbles against the pair's two activation vectors
+/// (`maddubs` never saturates: |pair| <= 2·15·128, and the two add up within
+/// i16), widened to i32 in two halves of four lanes, one half per block; three
+/// horizontal adds and a permutation put the eight block sums in block order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4_1_pair_terms(xc: &[BlockQ4_1], yp: &[[__m256i; 2]], dy: __m256, s: __m256) -> __m256 {
+    let low = _mm256_set1_epi8(0x0F);
+    let mut v = [_mm256_setzero_si256(); 4];
+    for (v, (xp, yp)) in v.iter_mut().zip(xc.chunks(2).zip(yp)) {
+        let hi_block = xp.get(1).map_or(_mm_setzero_si128(), |b| load_u8x16(&b.qs));
+        let q = _mm256_set_m128i(hi_block, load_u8x16(&xp[0].qs));
+        let lo = _mm256_and_si256(q, low);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
+        let sum16 = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, yp[0]),
+            _mm256_maddubs_epi16(hi, yp[1]),
+        );
+        *v = sum_pairs_i16(sum16);
+    }
+    // [b0 b2 b4 b6 | b1 b3 b5 b7], then block order.
+    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    let sumi = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(
+        h,
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+    ));
+    let head = if xc.len() == 8 {
+        // SAFETY: the 8 blocks are 8·20 readable bytes, and lane i reads the 4
+        // head bytes of block i at byte offset 20·i.
+        unsafe {
+            _mm256_i32gather_epi32::<1>(
+                xc.as_ptr().cast(),
+                _mm256_setr_epi32(0, 20, 40, 60, 80, 100, 120, 140),
+            )
+        }
+    } else {
+        gather_head(xc)
+    };
+    let (dx, mx) = (f16_lo(head), f16_hi(head));
+    _mm256_add_ps(
+        _mm256_mul_ps(_mm256_mul_ps(dx, dy), sumi),
+        _mm256_mul_ps(mx, s),
+    )
+}
+
+/// [`crate::q8_matvec::matvec_q8_0_q8_0_ref`] for rows of `nb` blocks, four rows
+/// at a time like [`mvq_q4_1`], each like [`dot_q8_0_q8_0`].
+#[target_feature(enable = "avx2,fma,f16c")]
+fn mvq_q8_0(w: &[BlockQ8_0], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
+    let mut rows = w.chunks_exact(4 * nb);
+    let mut outs = out.chunks_exact_mut(4);
+    for (w4, o4) in rows.by_ref().zip(outs.by_ref()) {
+        let mut sumf = _mm_setzero_ps();
+        let ahead = Prefetch::new(w4, 2);
+        let n_chunks = nb.div_ceil(8);
+        for (c, yc) in y.chunks(8).enumerate() {
+            ahead.step(c, n_chunks);
+            let dy = f16_lo(gather_head(yc));
+            let xc = |r: usize| &w4[r * nb + 8 * c..][..yc.len()];
+            let terms = [
+                q8_0_terms(xc(0), yc, dy),
+                q8_0_terms(xc(1), yc, dy),
+                q8_0_terms(xc(2), yc, dy),
+                q8_0_terms(xc(3), yc, dy),
+            ];
+            sumf = add_in_order_x4(sumf, &terms, yc.len());
+        }
+        store_f32x4(o4, sumf);
+    }
+    for (row, o) in rows.remainder().chunks_exact(nb).zip(outs.into_remainder()) {
+        *o = dot_q8_0_q8_0(row, y);
+    }
 }
 
 /// [`crate::f32::vec_dot_f32_ref`]: lane `l` accumulates elements `i ≡ l (mod 8)`

@@ -1,0 +1,66 @@
+//! Matrix-vector products against 8-bit activations (`Precision::Q8`, llama.cpp's
+//! CPU numerics): `out[r] = vec_dot(w_r, y)` for rows held back to back, each row
+//! exactly the scalar dot product of its format ([`crate::q4_1::vec_dot_q4_1_q8_0`],
+//! [`crate::q8_0::vec_dot_q8_0_q8_0`]). These loops are the references; the fast
+//! tiers (`x86/avx2.rs`) run several rows at once, sharing each activation block
+//! and its per-block terms between them, and are tested equal bit for bit
+//! (`tier_parity.rs`).
+
+use crate::q4_1::{vec_dot_q4_1_q8_0, BlockQ4_1};
+use crate::q8_0::{vec_dot_q8_0_q8_0, BlockQ8_0};
+
+/// Checks the shapes of a product against activation blocks `y`; returns the
+/// blocks per row.
+///
+/// # Panics
+/// If `w` does not hold `n_out` rows of `y.len()` blocks.
+pub(crate) fn check_rows(w_blocks: usize, y_blocks: usize, n_out: usize) -> usize {
+    assert_eq!(
+        w_blocks,
+        y_blocks * n_out,
+        "q8 matvec: {w_blocks} weight blocks for {n_out} rows of {y_blocks}"
+    );
+    y_blocks
+}
+
+/// `out[r] = vec_dot_q4_1_q8_0(w_r, y)`, scalar reference.
+///
+/// # Panics
+/// If `w` does not hold `out.len()` rows of `y.len()` blocks.
+pub fn matvec_q4_1_q8_0_ref(w: &[BlockQ4_1], y: &[BlockQ8_0], out: &mut [f32]) {
+    let nb = check_rows(w.len(), y.len(), out.len());
+    if nb == 0 {
+        out.fill(0.0);
+        return;
+    }
+    for (row, o) in w.chunks_exact(nb).zip(out.iter_mut()) {
+        *o = vec_dot_q4_1_q8_0(row, y);
+    }
+}
+
+/// `out[r] = vec_dot_q8_0_q8_0(w_r, y)`, scalar reference.
+///
+/// # Panics
+/// If `w` does not hold `out.len()` rows of `y.len()` blocks.
+pub fn matvec_q8_0_q8_0_ref(w: &[BlockQ8_0], y: &[BlockQ8_0], out: &mut [f32]) {
+    let nb = check_rows(w.len(), y.len(), out.len());
+    if nb == 0 {
+        out.fill(0.0);
+        return;
+    }
+    for (row, o) in w.chunks_exact(nb).zip(out.iter_mut()) {
+        *o = vec_dot_q8_0_q8_0(row, y);
+    }
+}
+
+/// [`matvec_q4_1_q8_0_ref`] by the selected tier, bit for bit.
+#[inline]
+pub fn matvec_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], out: &mut [f32]) {
+    (crate::kernels().matvec_q4_1_q8_0)(w, y, out)
+}
+
+/// [`matvec_q8_0_q8_0_ref`] by the selected tier, bit for bit.
+#[inline]
+pub fn matvec_q8_0_q8_0(w: &[BlockQ8_0], y: &[BlockQ8_0], out: &mut [f32]) {
+    (crate::kernels().matvec_q8_0_q8_0)(w, y, out)
+}
