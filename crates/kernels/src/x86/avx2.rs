@@ -646,9 +646,9 @@ fn mvq_q4_1(w: &[BlockQ4_1], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
     let mut outs = out.chunks_exact_mut(4);
     for (w4, o4) in rows.by_ref().zip(outs.by_ref()) {
         let mut sumf = _mm_setzero_ps();
-        let ahead = Prefetch::new(w4, 2);
+        let ahead = Prefetch::new(w4, 2, n_chunks);
         for c in 0..n_chunks {
-            ahead.step(c, n_chunks);
+            ahead.step(c);
             let len = (nb - 8 * c).min(8);
             let xc = |r: usize| &w4[r * nb + 8 * c..][..len];
             let yp = &pairs[4 * c..];
@@ -723,10 +723,9 @@ fn mvq_q8_0(w: &[BlockQ8_0], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
     let mut outs = out.chunks_exact_mut(4);
     for (w4, o4) in rows.by_ref().zip(outs.by_ref()) {
         let mut sumf = _mm_setzero_ps();
-        let ahead = Prefetch::new(w4, 2);
-        let n_chunks = nb.div_ceil(8);
+        let ahead = Prefetch::new(w4, 2, nb.div_ceil(8));
         for (c, yc) in y.chunks(8).enumerate() {
-            ahead.step(c, n_chunks);
+            ahead.step(c);
             let dy = f16_lo(gather_head(yc));
             let xc = |r: usize| &w4[r * nb + 8 * c..][..yc.len()];
             let terms = [
@@ -1004,27 +1003,29 @@ fn x_block(x: &[f32], b: usize) -> [__m256; 4] {
 #[derive(Clone, Copy)]
 struct Prefetch {
     start: *const u8,
-    lines: usize,
+    /// Cache lines requested per step.
+    per_step: usize,
 }
 
 impl Prefetch {
+    /// For a group processed in `steps` steps (at least one).
     #[inline]
-    fn new<T>(group: &[T], groups_ahead: usize) -> Self {
+    fn new<T>(group: &[T], groups_ahead: usize, steps: usize) -> Self {
         let bytes = size_of_val(group);
         Prefetch {
             start: group
                 .as_ptr()
                 .cast::<u8>()
                 .wrapping_add(groups_ahead * bytes),
-            lines: bytes.div_ceil(64),
+            per_step: bytes.div_ceil(64).div_ceil(steps.max(1)),
         }
     }
 
-    /// Requests this step's share (`1/nb`) of the group ahead.
+    /// Requests step `b`'s share of the group ahead.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn step(self, b: usize, nb: usize) {
-        let per = self.lines.div_ceil(nb);
+    fn step(self, b: usize) {
+        let per = self.per_step;
         for l in b * per..(b + 1) * per {
             // A hint only: `_mm_prefetch` never faults, and `wrapping_add` forms
             // the address without claiming it is in any allocation.
@@ -1056,9 +1057,9 @@ fn mv_q4_1(w: &[BlockQ4_1], nb: usize, x: &[f32], out: &mut [f32]) {
 fn rows_q4_1<const R: usize>(w: &[BlockQ4_1], nb: usize, x: &[f32], out: &mut [f32]) {
     let rows: [&[BlockQ4_1]; R] = std::array::from_fn(|i| &w[i * nb..(i + 1) * nb]);
     let mut acc = [_mm256_setzero_ps(); R];
-    let ahead = Prefetch::new(w, 2);
+    let ahead = Prefetch::new(w, 2, nb);
     for b in 0..nb {
-        ahead.step(b, nb);
+        ahead.step(b);
         let xv = x_block(x, b);
         for (acc, row) in acc.iter_mut().zip(&rows) {
             let blk = &row[b];
@@ -1096,9 +1097,9 @@ fn mv_q8_0(w: &[BlockQ8_0], nb: usize, x: &[f32], out: &mut [f32]) {
 fn rows_q8_0<const R: usize>(w: &[BlockQ8_0], nb: usize, x: &[f32], out: &mut [f32]) {
     let rows: [&[BlockQ8_0]; R] = std::array::from_fn(|i| &w[i * nb..(i + 1) * nb]);
     let mut acc = [_mm256_setzero_ps(); R];
-    let ahead = Prefetch::new(w, 2);
+    let ahead = Prefetch::new(w, 2, nb);
     for b in 0..nb {
-        ahead.step(b, nb);
+        ahead.step(b);
         let xv = x_block(x, b);
         for (acc, row) in acc.iter_mut().zip(&rows) {
             let blk = &row[b];
