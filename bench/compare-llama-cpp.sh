@@ -3,7 +3,7 @@
 #
 # usage: bench/compare-llama-cpp.sh [--build-only]
 #
-# Runs every test interleaved (ds4, llama, ds4, llama, ... ROUNDS times each) so that
+# Runs every test interleaved (ds4 variants, llama, ds4 variants, llama, ... ROUNDS times) so that
 # the load of a shared, noisy machine hits both engines alike, then prints ds4/llama
 # ratios of the mean t/s: pp512 and tg128 at each thread count, and decode with
 # 2k/4k/6k tokens already in context (ds4: the context sweep; llama: -d/--n-depth).
@@ -20,6 +20,10 @@
 #                context depths of the decode check (default 2048, 2048, 6144)
 #   DEPTH_GEN    tokens generated at each depth (default 32)
 #   DEPTH_THREADS threads of the decode check (default 2)
+#   VARIANTS     ds4 configurations to measure, each against the same llama-bench
+#                runs (default "fast q8"): fast = the default f32 activations,
+#                q8 = --q8-activations (llama.cpp's own numerics)
+#   KV_TYPE      ds4's K/V element type (default f16, what llama-bench caches)
 # Needs python3 (to read the results), and to build llama-bench: pip, cmake and a C++ compiler.
 set -euo pipefail
 
@@ -37,6 +41,8 @@ DEPTH_STEP=${DEPTH_STEP:-2048}
 DEPTH_MAX=${DEPTH_MAX:-6144}
 DEPTH_GEN=${DEPTH_GEN:-32}
 DEPTH_THREADS=${DEPTH_THREADS:-2}
+VARIANTS=${VARIANTS:-"fast q8"}
+KV_TYPE=${KV_TYPE:-f16}
 
 log() { echo "compare-llama-cpp: $*" >&2; }
 
@@ -90,15 +96,26 @@ OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 log "model $MODEL; llama-bench $LLAMA_BENCH; results in $OUT"
 
-# One test, interleaved: ROUNDS × (ds4 run, llama-bench run), each to its own file.
-# $1 name, $2 ds4 bench args, $3 llama-bench args (word-split on purpose).
+variant_flags() {
+    case $1 in
+        fast) echo "" ;;
+        q8) echo "--q8-activations" ;;
+        *) log "unknown variant '$1' (fast, q8)"; exit 1 ;;
+    esac
+}
+
+# One test, interleaved: ROUNDS x (each ds4 variant, llama-bench), each to its own
+# file. $1 name, $2 ds4 bench args, $3 llama-bench args (word-split on purpose).
 run_test() {
-    local name=$1 round
+    local name=$1 round variant
     for round in $(seq "$ROUNDS"); do
-        log "$name: ds4 (round $round/$ROUNDS)"
-        # shellcheck disable=SC2086
-        "$DS4" bench -m "$MODEL" $2 >"$OUT/$name.ds4.$round" 2>"$OUT/ds4.log" ||
-            { cat "$OUT/ds4.log" >&2; exit 1; }
+        for variant in $VARIANTS; do
+            log "$name: ds4 $variant (round $round/$ROUNDS)"
+            # shellcheck disable=SC2086
+            "$DS4" bench -m "$MODEL" $2 --kv-type "$KV_TYPE" $(variant_flags "$variant") \
+                >"$OUT/$name.ds4-$variant.$round" 2>"$OUT/ds4.log" ||
+                { cat "$OUT/ds4.log" >&2; exit 1; }
+        done
         log "$name: llama-bench (round $round/$ROUNDS)"
         # shellcheck disable=SC2086
         "$LLAMA_BENCH" -m "$MODEL" -o json $3 >"$OUT/$name.llama.$round" 2>"$OUT/llama.log" ||
@@ -117,11 +134,12 @@ run_test "decode-depth" \
     "--ctx-start $DEPTH_START --ctx-max $DEPTH_MAX --step-incr $DEPTH_STEP --gen-tokens $DEPTH_GEN --threads $DEPTH_THREADS" \
     "-p 0 -n $DEPTH_GEN -d $depths -r 1 -t $DEPTH_THREADS"
 
-python3 - "$OUT" "$ROUNDS" "$THREADS" "$depths" "$DEPTH_GEN" "$DEPTH_THREADS" <<'EOF'
+python3 - "$OUT" "$ROUNDS" "$THREADS" "$depths" "$DEPTH_GEN" "$DEPTH_THREADS" "$VARIANTS" "$KV_TYPE" <<'EOF'
 import csv, json, statistics, sys
 
 out, rounds, threads = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
 depths, depth_gen, depth_threads = [int(d) for d in sys.argv[4].split(",")], sys.argv[5], sys.argv[6]
+variants, kv_type = sys.argv[7].split(), sys.argv[8]
 
 
 def runs(name, engine):
@@ -130,12 +148,13 @@ def runs(name, engine):
             yield f
 
 
-def ds4_summary(name):
-    return [x for f in runs(name, "ds4") for res in json.load(f)["results"] for x in res["samples_ts"]]
+def ds4_summary(name, variant):
+    return [x for f in runs(name, f"ds4-{variant}") for res in json.load(f)["results"]
+            for x in res["samples_ts"]]
 
 
-def ds4_sweep(depth):
-    return [float(row["gen_tps"]) for f in runs("decode-depth", "ds4")
+def ds4_sweep(depth, variant):
+    return [float(row["gen_tps"]) for f in runs("decode-depth", f"ds4-{variant}")
             for row in csv.DictReader(f) if int(row["ctx_tokens"]) == depth]
 
 
@@ -151,13 +170,18 @@ def cell(xs):
 
 rows = []
 for t in threads:
-    rows.append(("pp512", t, ds4_summary(f"pp512-t{t}"), llama(f"pp512-t{t}")))
-    rows.append(("tg128", t, ds4_summary(f"tg128-t{t}"), llama(f"tg128-t{t}")))
+    for test in ("pp512", "tg128"):
+        for v in variants:
+            rows.append((test, t, v, ds4_summary(f"{test}-t{t}", v), llama(f"{test}-t{t}")))
 for d in depths:
-    rows.append((f"tg{depth_gen} @ d{d}", depth_threads, ds4_sweep(d), llama("decode-depth", d)))
+    for v in variants:
+        rows.append((f"tg{depth_gen} @ d{d}", depth_threads, v, ds4_sweep(d, v), llama("decode-depth", d)))
 
-print("| test | threads | ds4 t/s | llama.cpp t/s | ds4/llama |")
-print("| --- | ---: | ---: | ---: | ---: |")
-for name, t, a, b in rows:
-    print(f"| {name} | {t} | {cell(a)} | {cell(b)} | {statistics.mean(a) / statistics.mean(b):.2f} |")
+print(f"ds4 K/V {kv_type}; llama.cpp K/V f16. Variants: fast = f32 activations (ds4's default), "
+      "q8 = --q8-activations (llama.cpp's numerics).")
+print()
+print("| test | threads | ds4 variant | ds4 t/s | llama.cpp t/s | ds4/llama |")
+print("| --- | ---: | --- | ---: | ---: | ---: |")
+for name, t, v, a, b in rows:
+    print(f"| {name} | {t} | {v} | {cell(a)} | {cell(b)} | {statistics.mean(a) / statistics.mean(b):.2f} |")
 EOF
