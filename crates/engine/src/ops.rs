@@ -334,11 +334,13 @@ fn attend_block<T: AsF32Rows>(
                 let qv = &q[(t * n_head + kvh * group) * head_dim..][..group * head_dim];
                 let acc = &mut acc_all[qi * head_dim..(qi + group) * head_dim];
                 let run = &mut running[qi..qi + group];
+                // A single token reads the tile once, from memory: the kernel
+                // then requests the next tile's rows as it goes.
                 match widened {
                     Some((kt, vt)) => {
-                        attn_group(qv, &kt[..len], &vt[..len], scale, run, acc, scores)
+                        attn_group(qv, &kt[..len], &vt[..len], scale, run, acc, scores, false)
                     }
-                    None => attn_group(qv, &ks[..len], &vs[..len], scale, run, acc, scores),
+                    None => attn_group(qv, &ks[..len], &vs[..len], scale, run, acc, scores, true),
                 }
             }
         }

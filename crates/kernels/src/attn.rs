@@ -200,8 +200,14 @@ pub fn attn_tile_ref<T: KvElem>(
 /// the queries one after the other, so a fast tier that shares each K/V row
 /// between the queries (grouped-query attention) computes the same bits.
 ///
+/// `stream` says the rows are read once, from memory, and the tile after them
+/// comes next (a decoded token's history): a fast tier then requests those
+/// rows ahead as it goes. A hint only, which the result does not depend on;
+/// the reference ignores it.
+///
 /// # Panics
 /// On a shape mismatch.
+#[allow(clippy::too_many_arguments)]
 pub fn attn_group_ref<T: KvElem>(
     q: &[f32],
     k: &[T],
@@ -210,7 +216,9 @@ pub fn attn_group_ref<T: KvElem>(
     st: &mut [Running],
     acc: &mut [f32],
     scores: &mut [f32],
+    stream: bool,
 ) {
+    let _ = stream;
     let (n, hd) = check_group(q, k, v, st, acc, scores);
     for (g, run) in st.iter_mut().enumerate() {
         let (qg, ag) = (&q[g * hd..(g + 1) * hd], &mut acc[g * hd..(g + 1) * hd]);
@@ -249,6 +257,7 @@ pub(crate) fn check_group<T>(
 /// [`attn_group_ref`] by the selected tier, bit for bit (for finite inputs), on K/V
 /// rows of f32 or f16 bits.
 #[inline]
+#[allow(clippy::too_many_arguments)]
 pub fn attn_group<T: AsF32Rows>(
     q: &[f32],
     k: &[T],
@@ -257,8 +266,9 @@ pub fn attn_group<T: AsF32Rows>(
     st: &mut [Running],
     acc: &mut [f32],
     scores: &mut [f32],
+    stream: bool,
 ) {
-    (T::group_kernel())(q, k, v, scale, st, acc, scores)
+    (T::group_kernel())(q, k, v, scale, st, acc, scores, stream)
 }
 
 /// Widens f16 bits to f32 (exactly) by the selected tier.

@@ -115,7 +115,8 @@ pub(crate) struct Kernels {
 
 /// The signature of [`attn::attn_group`] on rows of `T`.
 #[doc(hidden)]
-pub type AttnGroupFn<T> = fn(&[f32], &[T], &[T], f32, &mut [attn::Running], &mut [f32], &mut [f32]);
+pub type AttnGroupFn<T> =
+    fn(&[f32], &[T], &[T], f32, &mut [attn::Running], &mut [f32], &mut [f32], bool);
 
 /// The scalar references: the lowest tier, available everywhere.
 pub(crate) static SCALAR: Kernels = Kernels {

@@ -943,7 +943,7 @@ fn group_ref<T: crate::attn::KvElem>(
     let (mut st, mut acc) = (st0.to_vec(), acc0.to_vec());
     let hd = acc0.len() / st0.len();
     let mut scores = vec![0.0; st0.len() * (k.len() / hd)];
-    crate::attn::attn_group_ref(q, k, v, scale, &mut st, &mut acc, &mut scores);
+    crate::attn::attn_group_ref(q, k, v, scale, &mut st, &mut acc, &mut scores, false);
     (st, acc)
 }
 
@@ -1000,21 +1000,21 @@ fn attention_groups_are_bit_identical_on_every_tier() {
                     };
                     let (mut st, mut acc, mut sc) =
                         (st0.clone(), acc0.clone(), vec![0.0; g * n + 3]);
-                    (k.attn_group_f32)(&q, &kr, &vr, scale, &mut st, &mut acc, &mut sc);
+                    (k.attn_group_f32)(&q, &kr, &vr, scale, &mut st, &mut acc, &mut sc, false);
                     check((st, acc), &want32, "f32");
                     let (mut st, mut acc) = (st0.clone(), acc0.clone());
-                    (k.attn_group_f16)(&q, &kh, &vh, scale, &mut st, &mut acc, &mut sc);
+                    (k.attn_group_f16)(&q, &kh, &vh, scale, &mut st, &mut acc, &mut sc, true);
                     check((st, acc), &want16, "f16");
                     let (mut kf, mut vf) = (vec![0.0; kh.len()], vec![0.0; vh.len()]);
                     (k.widen_f16)(&kh, &mut kf);
                     (k.widen_f16)(&vh, &mut vf);
                     let (mut st, mut acc) = (st0.clone(), acc0.clone());
-                    (k.attn_group_f32)(&q, &kf, &vf, scale, &mut st, &mut acc, &mut sc);
+                    (k.attn_group_f32)(&q, &kf, &vf, scale, &mut st, &mut acc, &mut sc, true);
                     check((st, acc), &want16, "f16 widened");
                 }
                 // The dispatching front end picks the same kernels.
                 let (mut st, mut acc, mut sc) = (st0.clone(), acc0.clone(), vec![0.0; g * n]);
-                attn_group(&q, &kh, &vh, scale, &mut st, &mut acc, &mut sc);
+                attn_group(&q, &kh, &vh, scale, &mut st, &mut acc, &mut sc, false);
                 assert_eq!(bits(&acc), bits(&want16.1), "attn_group f16");
             }
         }
@@ -1053,11 +1053,29 @@ fn bench_fast() {
         let (mut acc, mut sc) = (vec![0.0; g * hd], vec![0.0; g * n]);
         let f32_ns = best_ns(|| {
             st.fill(crate::attn::Running::default());
-            (k.attn_group_f32)(black_box(&q), &kf, &vf, 0.125, &mut st, &mut acc, &mut sc)
+            (k.attn_group_f32)(
+                black_box(&q),
+                &kf,
+                &vf,
+                0.125,
+                &mut st,
+                &mut acc,
+                &mut sc,
+                false,
+            )
         });
         let f16_ns = best_ns(|| {
             st.fill(crate::attn::Running::default());
-            (k.attn_group_f16)(black_box(&q), &kh, &vh, 0.125, &mut st, &mut acc, &mut sc)
+            (k.attn_group_f16)(
+                black_box(&q),
+                &kh,
+                &vh,
+                0.125,
+                &mut st,
+                &mut acc,
+                &mut sc,
+                false,
+            )
         });
         let pairs = (g * n) as f64;
         println!(

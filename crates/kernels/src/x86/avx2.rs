@@ -196,6 +196,7 @@ fn exp_inplace(x: &mut [f32]) {
     unsafe { exp_slice(x) }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn attn_group_f32(
     q: &[f32],
     k: &[f32],
@@ -204,10 +205,12 @@ fn attn_group_f32(
     st: &mut [Running],
     acc: &mut [f32],
     scores: &mut [f32],
+    stream: bool,
 ) {
-    attn_group_checked(q, k, v, scale, st, acc, scores)
+    attn_group_checked(q, k, v, scale, st, acc, scores, stream)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn attn_group_f16(
     q: &[f32],
     k: &[u16],
@@ -216,10 +219,12 @@ fn attn_group_f16(
     st: &mut [Running],
     acc: &mut [f32],
     scores: &mut [f32],
+    stream: bool,
 ) {
-    attn_group_checked(q, k, v, scale, st, acc, scores)
+    attn_group_checked(q, k, v, scale, st, acc, scores, stream)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn attn_group_checked<T: KvLanes>(
     q: &[f32],
     k: &[T],
@@ -228,14 +233,21 @@ fn attn_group_checked<T: KvLanes>(
     st: &mut [Running],
     acc: &mut [f32],
     scores: &mut [f32],
+    stream: bool,
 ) {
     let (n, hd) = crate::attn::check_group(q, k, v, st, acc, scores);
     if !hd.is_multiple_of(8) {
-        return crate::attn::attn_group_ref(q, k, v, scale, st, acc, scores);
+        return crate::attn::attn_group_ref(q, k, v, scale, st, acc, scores, stream);
     }
     // SAFETY: see above; `check_group` and the `hd % 8` test establish the shapes
     // `attn_group` requires.
-    unsafe { attn_group(q, k, v, n, hd, scale, st, acc, scores) }
+    unsafe {
+        if stream {
+            attn_group::<T, true>(q, k, v, n, hd, scale, st, acc, scores)
+        } else {
+            attn_group::<T, false>(q, k, v, n, hd, scale, st, acc, scores)
+        }
+    }
 }
 
 fn widen_f16(src: &[u16], dst: &mut [f32]) {
@@ -1277,7 +1289,7 @@ impl KvLanes for u16 {
 /// CPU has AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn attn_group<T: KvLanes>(
+unsafe fn attn_group<T: KvLanes, const STREAM: bool>(
     q: &[f32],
     k: &[T],
     v: &[T],
@@ -1305,9 +1317,9 @@ unsafe fn attn_group<T: KvLanes>(
         // group restricted to `gn` queries, as each callee requires.
         unsafe {
             match gn {
-                3 => group_scores::<T, 3, 3>(qs, k, n, hd, scale, s),
-                2 => group_scores::<T, 2, 4>(qs, k, n, hd, scale, s),
-                _ => group_scores::<T, 1, 8>(qs, k, n, hd, scale, s),
+                3 => group_scores::<T, 3, 3, STREAM>(qs, k, n, hd, scale, s),
+                2 => group_scores::<T, 2, 4, STREAM>(qs, k, n, hd, scale, s),
+                _ => group_scores::<T, 1, 8, STREAM>(qs, k, n, hd, scale, s),
             }
         }
         let accs = &mut acc[g0 * hd..(g0 + gn) * hd];
@@ -1327,19 +1339,19 @@ unsafe fn attn_group<T: KvLanes>(
                 match gn {
                     // Three queries' 4-vector strips would need all 16 registers.
                     3 => {
-                        accumulate_v::<T, 3, 2>(s, n, vp, hd, d0, accs);
-                        accumulate_v::<T, 3, 2>(s, n, vp, hd, d0 + 16, accs);
+                        accumulate_v::<T, 3, 2, STREAM>(s, n, vp, hd, d0, accs);
+                        accumulate_v::<T, 3, 2, STREAM>(s, n, vp, hd, d0 + 16, accs);
                     }
-                    2 => accumulate_v::<T, 2, 4>(s, n, vp, hd, d0, accs),
-                    _ => accumulate_v::<T, 1, 4>(s, n, vp, hd, d0, accs),
+                    2 => accumulate_v::<T, 2, 4, STREAM>(s, n, vp, hd, d0, accs),
+                    _ => accumulate_v::<T, 1, 4, STREAM>(s, n, vp, hd, d0, accs),
                 }
                 d0 += 32;
             }
             while d0 < hd {
                 match gn {
-                    3 => accumulate_v::<T, 3, 1>(s, n, vp, hd, d0, accs),
-                    2 => accumulate_v::<T, 2, 1>(s, n, vp, hd, d0, accs),
-                    _ => accumulate_v::<T, 1, 1>(s, n, vp, hd, d0, accs),
+                    3 => accumulate_v::<T, 3, 1, STREAM>(s, n, vp, hd, d0, accs),
+                    2 => accumulate_v::<T, 2, 1, STREAM>(s, n, vp, hd, d0, accs),
+                    _ => accumulate_v::<T, 1, 1, STREAM>(s, n, vp, hd, d0, accs),
                 }
                 d0 += 8;
             }
@@ -1358,7 +1370,7 @@ unsafe fn attn_group<T: KvLanes>(
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)] // g and j index two arrays at once
-unsafe fn group_scores<T: KvLanes, const G: usize, const P: usize>(
+unsafe fn group_scores<T: KvLanes, const G: usize, const P: usize, const STREAM: bool>(
     q: &[f32],
     k: &[T],
     n: usize,
@@ -1370,6 +1382,9 @@ unsafe fn group_scores<T: KvLanes, const G: usize, const P: usize>(
     let (qp, kp) = (q.as_ptr(), k.as_ptr());
     let mut p = 0;
     while p + P <= n {
+        if STREAM {
+            prefetch_rows_ahead(kp, hd, p, P);
+        }
         let mut a = [[_mm256_setzero_ps(); P]; G];
         for c in (0..hd).step_by(8) {
             // SAFETY: g < G and c + 8 <= hd: inside `q` (G·hd elements).
@@ -1405,6 +1420,26 @@ unsafe fn group_scores<T: KvLanes, const G: usize, const P: usize>(
             s[g * n + p] = hsum_lanes(*a) * scale;
         }
         p += 1;
+    }
+}
+
+/// Positions ahead of the one being read that attention asks the memory system
+/// for: the next tile's rows, so that a long decode's K/V stream from memory
+/// while this tile is computed.
+const ATTN_PREFETCH_AHEAD: usize = 64;
+
+/// Requests rows `p + AHEAD .. p + AHEAD + count` of rows of `hd` elements at
+/// `base` into L1. A hint only: the rows may lie past the tile (that is the
+/// point) or past the cache's end; `_mm_prefetch` never faults and
+/// `wrapping_add` forms the addresses without claiming they are in bounds.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch_rows_ahead<T>(base: *const T, hd: usize, p: usize, count: usize) {
+    let start = base
+        .wrapping_add((p + ATTN_PREFETCH_AHEAD) * hd)
+        .cast::<i8>();
+    for off in (0..count * hd * size_of::<T>()).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(off));
     }
 }
 
@@ -1493,7 +1528,7 @@ fn softmax_step(s: &mut [f32], st: &mut Running, acc: &mut [f32]) {
 /// readable elements, and the CPU has AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn accumulate_v<T: KvLanes, const G: usize, const R: usize>(
+unsafe fn accumulate_v<T: KvLanes, const G: usize, const R: usize, const STREAM: bool>(
     w: &[f32],
     n: usize,
     vp: *const T,
@@ -1505,6 +1540,9 @@ unsafe fn accumulate_v<T: KvLanes, const G: usize, const R: usize>(
     let mut a: [[__m256; R]; G] =
         std::array::from_fn(|g| std::array::from_fn(|r| load_f32x8(&acc[g * hd + d0 + 8 * r..])));
     for p in 0..n {
+        if STREAM && d0 == 0 {
+            prefetch_rows_ahead(vp, hd, p, 1);
+        }
         let wb: [__m256; G] = std::array::from_fn(|g| _mm256_set1_ps(w[g * n + p]));
         for r in 0..R {
             // SAFETY: p < n and d0 + 8r + 8 <= hd: inside the V rows.
