@@ -10,7 +10,9 @@ use clap::Args;
 use ds4_chat::{ChatMl, Message, RenderOptions, Role, Template};
 use ds4_engine::sampler::{argmax, log_softmax, top_k};
 use ds4_engine::tokenizer::StreamDecoder;
-use ds4_engine::{Model, Precision, Sampler, SamplerConfig, Session, SessionOptions, ThreadPool};
+use ds4_engine::{
+    KvType, Model, Precision, Sampler, SamplerConfig, Session, SessionOptions, ThreadPool,
+};
 use serde::Serialize;
 
 use crate::kvargs::KvArgs;
@@ -120,7 +122,7 @@ pub fn load(a: &ModelArgs) -> Result<Loaded> {
         n_ctx: a.ctx,
         prefill_chunk: a.prefill_chunk,
         precision: a.precision(),
-        kv_type: a.kv_type,
+        kv_type: a.kv_type(),
     };
     let session = Session::new(
         Arc::clone(&model),
@@ -164,6 +166,13 @@ impl ModelArgs {
             (false, true) => Precision::Q8,
             (false, false) => Precision::Fast,
         }
+    }
+
+    /// `--kv-type`, else f32 for the exact path (the accuracy reference) and f16
+    /// for the others.
+    pub fn kv_type(&self) -> KvType {
+        self.kv_type
+            .unwrap_or(if self.exact { KvType::F32 } else { KvType::F16 })
     }
 }
 

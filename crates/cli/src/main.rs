@@ -78,11 +78,12 @@ pub struct ModelArgs {
     /// llama.cpp's CPU path does (its numerics; less accurate than the default).
     #[arg(long)]
     pub q8_activations: bool,
-    /// K/V cache element type: f32, or f16 (half the memory, attention reads and
-    /// checkpoint size; log-probabilities move by up to ~0.01). Checkpoints load only
-    /// into sessions of the same type.
-    #[arg(long, value_name = "f32|f16", default_value = "f32")]
-    pub kv_type: ds4_engine::KvType,
+    /// K/V cache element type: f16 (the default, as in llama.cpp: half the memory,
+    /// attention reads and checkpoint size of f32; log-probabilities move by up to
+    /// ~0.01), or f32 (exactly what the projections computed; the default with
+    /// --exact). Checkpoints load only into sessions of the same type.
+    #[arg(long, value_name = "f16|f32")]
+    pub kv_type: Option<ds4_engine::KvType>,
     /// Tokens per prefill chunk.
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,

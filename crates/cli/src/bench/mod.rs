@@ -173,7 +173,7 @@ impl Bench {
             n_ctx,
             prefill_chunk: a.prefill_chunk,
             precision: a.precision(),
-            kv_type: a.kv_type,
+            kv_type: a.kv_type(),
         };
         Session::new(Arc::clone(&self.model), Arc::clone(&self.pool), &opts)
     }

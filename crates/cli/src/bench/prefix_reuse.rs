@@ -22,7 +22,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         n_ctx,
         prefill_chunk: a.model.prefill_chunk,
         precision: a.model.precision(),
-        kv_type: a.model.kv_type,
+        kv_type: a.model.kv_type(),
     };
     let (dir, temporary) = match &a.kv_disk_dir {
         Some(d) => (d.clone(), false),
