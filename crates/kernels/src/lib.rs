@@ -99,6 +99,8 @@ pub(crate) struct Kernels {
     pub(crate) matvec_q8_0: fn(&[BlockQ8_0], &[f32], &mut [f32]),
     /// [`q8_matvec::matvec_q4_1_q8_0_ref`].
     pub(crate) matvec_q4_1_q8_0: fn(&[q4_1::BlockQ4_1], &[BlockQ8_0], &mut [f32]),
+    /// [`q8_matvec::gemm_q4_1_q8_0_ref`].
+    pub(crate) gemm_q4_1_q8_0: fn(&[q4_1::BlockQ4_1], &[BlockQ8_0], usize, &mut [f32]),
     /// [`q8_matvec::matvec_q8_0_q8_0_ref`].
     pub(crate) matvec_q8_0_q8_0: fn(&[BlockQ8_0], &[BlockQ8_0], &mut [f32]),
     /// [`fast::gemm_tile_ref`].
@@ -136,6 +138,7 @@ pub(crate) static SCALAR: Kernels = Kernels {
     matvec_q8_0: fast::matvec_q8_0_ref,
     matvec_q4_1_q8_0: q8_matvec::matvec_q4_1_q8_0_ref,
     matvec_q8_0_q8_0: q8_matvec::matvec_q8_0_q8_0_ref,
+    gemm_q4_1_q8_0: q8_matvec::gemm_q4_1_q8_0_ref,
     gemm_tile: fast::gemm_tile_ref,
     exp_inplace: attn::exp_inplace_ref,
     attn_group_f32: attn::attn_group_ref::<f32>,
@@ -619,6 +622,14 @@ impl QuantizedActivations {
     /// Number of rows held.
     pub fn rows(&self) -> usize {
         self.rows
+    }
+
+    /// Every row's blocks back to back, for Q8_0 activations.
+    pub fn q8_0_blocks(&self) -> Option<&[BlockQ8_0]> {
+        match &self.data {
+            ActivationData::Q8_0(v) => Some(&v[..self.rows * (self.n / QK8_0)]),
+            _ => None,
+        }
     }
 
     /// Row `i`.

@@ -74,6 +74,9 @@ const ROW_BLOCK: usize = 64;
 /// `out[t * n_out + r] = w.row(r) · act.row(t)` for every token `t` of `act`, with
 /// activations already converted to `w.fmt.activation_format()`: each value is
 /// exactly [`vec_dot`] of its row and token, however many threads and tokens.
+/// Several tokens against Q4_1 rows go through the batched
+/// [`crate::q8_matvec::gemm_q4_1_q8_0`] (weights unpacked once for all tokens);
+/// otherwise blocks of [`ROW_BLOCK`] rows meet every token.
 pub fn matmul(
     pool: &ThreadPool,
     w: &WeightMatrix<'_>,
@@ -88,6 +91,27 @@ pub fn matmul(
     let rb = w.row_bytes();
     pool.run(&|ith| {
         let rows = split_range(w.n_out, ith, n_threads);
+        if n_tokens > 1 && !rows.is_empty() {
+            if let (WeightFormat::Q4_1, Some(y)) = (w.fmt, act.q8_0_blocks()) {
+                let data = &w.data[rows.start * rb..rows.end * rb];
+                ROW_SCRATCH.with_borrow_mut(|local| {
+                    local.resize(n_tokens * rows.len(), 0.0);
+                    crate::q8_matvec::gemm_q4_1_q8_0(
+                        cast_rows(w, data),
+                        y,
+                        w.n_in / crate::q8_0::QK8_0,
+                        local,
+                    );
+                    for (t, lt) in local.chunks_exact(rows.len()).enumerate() {
+                        // SAFETY: this thread's rows of token t lie inside the
+                        // output and belong to this thread alone (`split_range`).
+                        let o = unsafe { ptr.slice(t * w.n_out + rows.start, rows.len()) };
+                        o.copy_from_slice(lt);
+                    }
+                });
+                return;
+            }
+        }
         for r0 in rows.clone().step_by(ROW_BLOCK) {
             let r1 = (r0 + ROW_BLOCK).min(rows.end);
             for t in 0..n_tokens {

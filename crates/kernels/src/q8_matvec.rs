@@ -64,3 +64,44 @@ pub fn matvec_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], out: &mut [f32]) {
 pub fn matvec_q8_0_q8_0(w: &[BlockQ8_0], y: &[BlockQ8_0], out: &mut [f32]) {
     (crate::kernels().matvec_q8_0_q8_0)(w, y, out)
 }
+
+/// Checks the shapes of a product of `w` (rows of `nb` blocks) with `y` (tokens of
+/// `nb` blocks) into `out` (`tokens × rows`).
+///
+/// # Panics
+/// If the lengths do not fit those shapes.
+pub(crate) fn check_gemm(w_blocks: usize, y_blocks: usize, nb: usize, out_len: usize) {
+    let ok = match (w_blocks.checked_div(nb), y_blocks.checked_div(nb)) {
+        (Some(rows), Some(toks)) => {
+            rows * nb == w_blocks && toks * nb == y_blocks && rows * toks == out_len
+        }
+        _ => w_blocks == 0 && y_blocks == 0 && out_len == 0,
+    };
+    assert!(
+        ok,
+        "q8 gemm: {w_blocks} weight and {y_blocks} activation blocks of rows of {nb} \
+         for {out_len} outputs"
+    );
+}
+
+/// `out[t·rows + r] = vec_dot_q4_1_q8_0(w_r, y_t)` for the rows of `w` and the
+/// tokens of `y` (each `nb` blocks), scalar reference.
+///
+/// # Panics
+/// If the shapes do not fit (see [`check_gemm`]).
+pub fn gemm_q4_1_q8_0_ref(w: &[BlockQ4_1], y: &[BlockQ8_0], nb: usize, out: &mut [f32]) {
+    check_gemm(w.len(), y.len(), nb, out.len());
+    if nb == 0 {
+        return;
+    }
+    let n_rows = w.len() / nb;
+    for (yt, ot) in y.chunks_exact(nb).zip(out.chunks_exact_mut(n_rows)) {
+        matvec_q4_1_q8_0_ref(w, yt, ot);
+    }
+}
+
+/// [`gemm_q4_1_q8_0_ref`] by the selected tier, bit for bit.
+#[inline]
+pub fn gemm_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], nb: usize, out: &mut [f32]) {
+    (crate::kernels().gemm_q4_1_q8_0)(w, y, nb, out)
+}

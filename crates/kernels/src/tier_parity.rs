@@ -828,11 +828,51 @@ fn q8_matvecs_are_bit_identical_on_every_tier() {
                         .collect();
                     for k in available_tiers() {
                         let mut got = vec![f32::NAN; n_rows];
+                        (k.gemm_q4_1_q8_0)(&w4, y, nb, &mut got);
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want4),
+                            "q4_1 gemm [{}] {nb}x{n_rows}",
+                            k.tier
+                        );
                         (k.matvec_q4_1_q8_0)(&w4, y, &mut got);
                         assert_eq!(bits(&got), bits(&want4), "q4_1 [{}] {nb}x{n_rows}", k.tier);
                         (k.matvec_q8_0_q8_0)(&w8, y, &mut got);
                         assert_eq!(bits(&got), bits(&want8), "q8_0 [{}] {nb}x{n_rows}", k.tier);
                     }
+                }
+            }
+        }
+    }
+}
+
+/// The batched Q4_1 x Q8_0 product gives every (token, row) exactly the scalar
+/// dot product, on every tier, over token and row counts around its groups.
+#[test]
+fn q8_gemm_is_bit_identical_on_every_tier() {
+    let mut rng = XorShift::new(165);
+    for nb in [1, 3, 8, 9, 18, 48] {
+        for n_rows in [1, 4, 6, 9] {
+            for n_tok in [1, 2, 3, 7] {
+                let w: Vec<BlockQ4_1> = random_blocks(&mut rng, nb * n_rows, 2, Scales::Typical);
+                let mut y = vec![BlockQ8_0::ZERO; nb * n_tok];
+                q8_0::quantize_row_ref(&activations(&mut rng, nb * n_tok * QK8_0), &mut y);
+                let want: Vec<f32> = y
+                    .chunks_exact(nb)
+                    .flat_map(|yt| {
+                        w.chunks_exact(nb)
+                            .map(move |r| crate::q4_1::vec_dot_q4_1_q8_0(r, yt))
+                    })
+                    .collect();
+                for k in available_tiers() {
+                    let mut got = vec![f32::NAN; n_tok * n_rows];
+                    (k.gemm_q4_1_q8_0)(&w, &y, nb, &mut got);
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "[{}] {nb} blocks, {n_rows} rows, {n_tok} tokens",
+                        k.tier
+                    );
                 }
             }
         }

@@ -51,6 +51,7 @@ pub(super) static KERNELS: Kernels = Kernels {
     matvec_q8_0,
     matvec_q4_1_q8_0,
     matvec_q8_0_q8_0,
+    gemm_q4_1_q8_0,
     gemm_tile,
     exp_inplace,
     attn_group_f32,
@@ -149,6 +150,15 @@ fn matvec_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], out: &mut [f32]) {
     }
     // SAFETY: see above; the shapes were checked, as `mvq_q4_1` requires.
     unsafe { mvq_q4_1(w, nb, y, out) }
+}
+
+fn gemm_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], nb: usize, out: &mut [f32]) {
+    crate::q8_matvec::check_gemm(w.len(), y.len(), nb, out.len());
+    if nb == 0 {
+        return crate::q8_matvec::gemm_q4_1_q8_0_ref(w, y, nb, out);
+    }
+    // SAFETY: see above; the shapes were checked, as `gemq_q4_1` requires.
+    unsafe { gemq_q4_1(w, nb, y, out) }
 }
 
 fn matvec_q8_0_q8_0(w: &[BlockQ8_0], y: &[BlockQ8_0], out: &mut [f32]) {
@@ -611,26 +621,16 @@ fn q8_0_terms(xc: &[BlockQ8_0], yc: &[BlockQ8_0], dy: __m256) -> __m256 {
 /// up to 8192 elements); longer rows go one at a time through [`dot_q4_1_q8_0`].
 const MVQ_MAX_BLOCKS: usize = 256;
 
-/// [`crate::q8_matvec::matvec_q4_1_q8_0_ref`] for rows of `nb` blocks: four rows
-/// at a time, each with the arithmetic of [`dot_q4_1_q8_0`] (exact integer block
-/// sums, float terms eight blocks wide, the serial sum in block order). What the
-/// rows share is prepared once per call: the activation terms `dy` and
-/// `sum8·dy` of every eight blocks, and the activation quants rearranged by
-/// block pairs, so that one 256-bit load of two blocks' nibbles meets both
-/// blocks' activations in two `maddubs` ([`q4_1_pair_terms`]). The four serial
-/// sums run in the lanes of one register.
+/// The activation side of Q4_1 x Q8_0 products, prepared once for every row that
+/// meets it: per eight blocks the terms `dy` and `s = sum8·dy` (as
+/// [`dot_q4_1_q8_0`] forms them), and the quants rearranged by block pairs, pair
+/// `p` as `[y_2p[0..16] | y_2p+1[0..16]]` and `[y_2p[16..32] | y_2p+1[16..32]]`
+/// (zeros past the last block), so that one 256-bit load of two blocks' nibbles
+/// meets both blocks' activations in two `maddubs`.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn mvq_q4_1(w: &[BlockQ4_1], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
-    if nb > MVQ_MAX_BLOCKS {
-        for (row, o) in w.chunks_exact(nb).zip(out.iter_mut()) {
-            *o = dot_q4_1_q8_0(row, y);
-        }
-        return;
-    }
-    let n_chunks = nb.div_ceil(8);
-    let mut dy = [_mm256_setzero_ps(); MVQ_MAX_BLOCKS / 8];
-    let mut s = [_mm256_setzero_ps(); MVQ_MAX_BLOCKS / 8];
-    for ((yc, dy), s) in y.chunks(8).zip(&mut dy).zip(&mut s) {
+fn prepare_q8_acts(y: &[BlockQ8_0], terms: &mut [[__m256; 2]], pairs: &mut [[__m256i; 2]]) {
+    for (yc, t) in y.chunks(8).zip(terms.iter_mut()) {
         let mut p8 = [_mm256_setzero_si256(); 8];
         for (p, by) in p8.iter_mut().zip(yc) {
             *p = sum_pairs_i16(_mm256_maddubs_epi16(
@@ -638,13 +638,10 @@ fn mvq_q4_1(w: &[BlockQ4_1], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
                 load_i8x32(&by.qs),
             ));
         }
-        *dy = f16_lo(gather_head(yc));
-        *s = _mm256_mul_ps(_mm256_cvtepi32_ps(hsum_8x8(&p8)), *dy);
+        let dy = f16_lo(gather_head(yc));
+        *t = [dy, _mm256_mul_ps(_mm256_cvtepi32_ps(hsum_8x8(&p8)), dy)];
     }
-    // Pair p: [y_2p[0..16] | y_2p+1[0..16]] and [y_2p[16..32] | y_2p+1[16..32]],
-    // zeros past the last block.
-    let mut pairs = [[_mm256_setzero_si256(); 2]; MVQ_MAX_BLOCKS / 2];
-    for (yp, pair) in y.chunks(2).zip(&mut pairs) {
+    for (yp, pair) in y.chunks(2).zip(pairs.iter_mut()) {
         let a = load_i8x32(&yp[0].qs);
         let b = yp
             .get(1)
@@ -654,60 +651,31 @@ fn mvq_q4_1(w: &[BlockQ4_1], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
             _mm256_permute2x128_si256::<0x31>(a, b),
         ];
     }
-    let mut rows = w.chunks_exact(4 * nb);
-    let mut outs = out.chunks_exact_mut(4);
-    for (w4, o4) in rows.by_ref().zip(outs.by_ref()) {
-        let mut sumf = _mm_setzero_ps();
-        let ahead = Prefetch::new(w4, 2, n_chunks);
-        for c in 0..n_chunks {
-            ahead.step(c);
-            let len = (nb - 8 * c).min(8);
-            let xc = |r: usize| &w4[r * nb + 8 * c..][..len];
-            let yp = &pairs[4 * c..];
-            let terms = [
-                q4_1_pair_terms(xc(0), yp, dy[c], s[c]),
-                q4_1_pair_terms(xc(1), yp, dy[c], s[c]),
-                q4_1_pair_terms(xc(2), yp, dy[c], s[c]),
-                q4_1_pair_terms(xc(3), yp, dy[c], s[c]),
-            ];
-            sumf = add_in_order_x4(sumf, &terms, len);
-        }
-        store_f32x4(o4, sumf);
-    }
-    for (row, o) in rows.remainder().chunks_exact(nb).zip(outs.into_remainder()) {
-        *o = dot_q4_1_q8_0(row, y);
-    }
 }
 
-/// The float terms `(dx·dy)·sumi + m·s` of up to eight Q4_1 blocks, as
-/// [`dot_q4_1_q8_0`] forms them, from activations arranged by block pairs (see
-/// [`mvq_q4_1`]). Each pair's integer sums come from one load of both blocks'
-/// nibbles: low and high nibbles against the pair's two activation vectors
-/// (`maddubs` never saturates: |pair| <= 2·15·128, and the two add up within
-/// i16), widened to i32 in two halves of four lanes, one half per block; three
-/// horizontal adds and a permutation put the eight block sums in block order.
+/// Up to eight Q4_1 blocks of one row ready for [`q4_1_pair_terms`]: the low and
+/// high nibbles of each block pair as bytes (one 256-bit load per pair), and the
+/// blocks' `d` and `m`.
+#[derive(Clone, Copy)]
+struct Q4_1Chunk {
+    nibbles: [[__m256i; 2]; 4],
+    d: __m256,
+    m: __m256,
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q4_1_pair_terms(xc: &[BlockQ4_1], yp: &[[__m256i; 2]], dy: __m256, s: __m256) -> __m256 {
+fn unpack_q4_1_chunk(xc: &[BlockQ4_1]) -> Q4_1Chunk {
     let low = _mm256_set1_epi8(0x0F);
-    let mut v = [_mm256_setzero_si256(); 4];
-    for (v, (xp, yp)) in v.iter_mut().zip(xc.chunks(2).zip(yp)) {
+    let mut nibbles = [[_mm256_setzero_si256(); 2]; 4];
+    for (n, xp) in nibbles.iter_mut().zip(xc.chunks(2)) {
         let hi_block = xp.get(1).map_or(_mm_setzero_si128(), |b| load_u8x16(&b.qs));
         let q = _mm256_set_m128i(hi_block, load_u8x16(&xp[0].qs));
-        let lo = _mm256_and_si256(q, low);
-        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
-        let sum16 = _mm256_add_epi16(
-            _mm256_maddubs_epi16(lo, yp[0]),
-            _mm256_maddubs_epi16(hi, yp[1]),
-        );
-        *v = sum_pairs_i16(sum16);
+        *n = [
+            _mm256_and_si256(q, low),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(q), low),
+        ];
     }
-    // [b0 b2 b4 b6 | b1 b3 b5 b7], then block order.
-    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    let sumi = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(
-        h,
-        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
-    ));
     let head = if xc.len() == 8 {
         // SAFETY: the 8 blocks are 8·20 readable bytes, and lane i reads the 4
         // head bytes of block i at byte offset 20·i.
@@ -720,11 +688,166 @@ fn q4_1_pair_terms(xc: &[BlockQ4_1], yp: &[[__m256i; 2]], dy: __m256, s: __m256)
     } else {
         gather_head(xc)
     };
-    let (dx, mx) = (f16_lo(head), f16_hi(head));
+    Q4_1Chunk {
+        nibbles,
+        d: f16_lo(head),
+        m: f16_hi(head),
+    }
+}
+
+/// The float terms `(dx·dy)·sumi + m·s` of the `2·n_pairs` (at most eight)
+/// blocks of `x`, as [`dot_q4_1_q8_0`] forms them, against activations prepared
+/// by [`prepare_q8_acts`] (`t` = that chunk's `[dy, s]`, `yp` its pairs). Each
+/// pair's nibbles meet the pair's two activation vectors in two `maddubs` (never
+/// saturating: |pair| <= 2·15·128, and the two add up within i16), widened to i32
+/// in two halves of four lanes, one half per block; three horizontal adds and a
+/// permutation put the eight block sums in block order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4_1_pair_terms(x: &Q4_1Chunk, n_pairs: usize, yp: &[[__m256i; 2]], t: [__m256; 2]) -> __m256 {
+    let mut v = [_mm256_setzero_si256(); 4];
+    for ((v, n), yp) in v.iter_mut().zip(&x.nibbles).zip(yp).take(n_pairs) {
+        let sum16 = _mm256_add_epi16(
+            _mm256_maddubs_epi16(n[0], yp[0]),
+            _mm256_maddubs_epi16(n[1], yp[1]),
+        );
+        *v = sum_pairs_i16(sum16);
+    }
+    // [b0 b2 b4 b6 | b1 b3 b5 b7], then block order.
+    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    let sumi = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(
+        h,
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+    ));
+    let [dy, s] = t;
     _mm256_add_ps(
-        _mm256_mul_ps(_mm256_mul_ps(dx, dy), sumi),
-        _mm256_mul_ps(mx, s),
+        _mm256_mul_ps(_mm256_mul_ps(x.d, dy), sumi),
+        _mm256_mul_ps(x.m, s),
     )
+}
+
+/// [`crate::q8_matvec::matvec_q4_1_q8_0_ref`] for rows of `nb` blocks: four rows
+/// at a time, each with the arithmetic of [`dot_q4_1_q8_0`] (exact integer block
+/// sums, float terms eight blocks wide, the serial sum in block order), the
+/// activations prepared once ([`prepare_q8_acts`]) and the four serial sums in
+/// the lanes of one register.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn mvq_q4_1(w: &[BlockQ4_1], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
+    if nb > MVQ_MAX_BLOCKS {
+        for (row, o) in w.chunks_exact(nb).zip(out.iter_mut()) {
+            *o = dot_q4_1_q8_0(row, y);
+        }
+        return;
+    }
+    let n_chunks = nb.div_ceil(8);
+    let mut terms = [[_mm256_setzero_ps(); 2]; MVQ_MAX_BLOCKS / 8];
+    let mut pairs = [[_mm256_setzero_si256(); 2]; MVQ_MAX_BLOCKS / 2];
+    prepare_q8_acts(y, &mut terms, &mut pairs);
+    let mut rows = w.chunks_exact(4 * nb);
+    let mut outs = out.chunks_exact_mut(4);
+    for (w4, o4) in rows.by_ref().zip(outs.by_ref()) {
+        let mut sumf = _mm_setzero_ps();
+        let ahead = Prefetch::new(w4, 2, n_chunks);
+        for c in 0..n_chunks {
+            ahead.step(c);
+            let len = (nb - 8 * c).min(8);
+            let (n_pairs, yp) = (len.div_ceil(2), &pairs[4 * c..]);
+            let xc = |r: usize| &w4[r * nb + 8 * c..][..len];
+            let t = [
+                q4_1_pair_terms(&unpack_q4_1_chunk(xc(0)), n_pairs, yp, terms[c]),
+                q4_1_pair_terms(&unpack_q4_1_chunk(xc(1)), n_pairs, yp, terms[c]),
+                q4_1_pair_terms(&unpack_q4_1_chunk(xc(2)), n_pairs, yp, terms[c]),
+                q4_1_pair_terms(&unpack_q4_1_chunk(xc(3)), n_pairs, yp, terms[c]),
+            ];
+            sumf = add_in_order_x4(sumf, &t, len);
+        }
+        store_f32x4(o4, sumf);
+    }
+    for (row, o) in rows.remainder().chunks_exact(nb).zip(outs.into_remainder()) {
+        *o = dot_q4_1_q8_0(row, y);
+    }
+}
+
+/// Per-thread scratch of [`gemq_q4_1`]: every token's prepared activations and
+/// running sums.
+#[derive(Default)]
+struct GemqScratch {
+    terms: Vec<[__m256; 2]>,
+    pairs: Vec<[__m256i; 2]>,
+    sums: Vec<__m128>,
+}
+
+thread_local! {
+    static GEMQ_SCRATCH: std::cell::RefCell<GemqScratch> =
+        std::cell::RefCell::new(GemqScratch::default());
+}
+
+/// [`crate::q8_matvec::gemm_q4_1_q8_0_ref`]: the rows of `w` (`nb` blocks each)
+/// against every token of `y`, each value with exactly the arithmetic of
+/// [`mvq_q4_1`] (and so of [`dot_q4_1_q8_0`]). Every token's activations are
+/// prepared once; then, four rows and eight blocks at a time, the rows' nibbles
+/// and scales are unpacked once and met by every token, each token's four serial
+/// sums carried in its own register across the chunks.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn gemq_q4_1(w: &[BlockQ4_1], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
+    let n_tok = y.len() / nb;
+    let n_rows = w.len() / nb;
+    if nb > MVQ_MAX_BLOCKS || n_tok < 2 {
+        for (yt, ot) in y.chunks_exact(nb).zip(out.chunks_exact_mut(n_rows)) {
+            mvq_q4_1(w, nb, yt, ot);
+        }
+        return;
+    }
+    let (n_chunks, n_pairs) = (nb.div_ceil(8), nb.div_ceil(2));
+    GEMQ_SCRATCH.with_borrow_mut(|sc| {
+        sc.terms.resize(n_tok * n_chunks, [_mm256_setzero_ps(); 2]);
+        sc.pairs
+            .resize(n_tok * n_pairs, [_mm256_setzero_si256(); 2]);
+        sc.sums.resize(n_tok, _mm_setzero_ps());
+        for ((yt, terms), pairs) in y
+            .chunks_exact(nb)
+            .zip(sc.terms.chunks_exact_mut(n_chunks))
+            .zip(sc.pairs.chunks_exact_mut(n_pairs))
+        {
+            prepare_q8_acts(yt, terms, pairs);
+        }
+        let groups = n_rows / 4;
+        for g in 0..groups {
+            let w4 = &w[4 * g * nb..4 * (g + 1) * nb];
+            sc.sums.fill(_mm_setzero_ps());
+            for c in 0..n_chunks {
+                let len = (nb - 8 * c).min(8);
+                let xc = |r: usize| &w4[r * nb + 8 * c..][..len];
+                let x = [
+                    unpack_q4_1_chunk(xc(0)),
+                    unpack_q4_1_chunk(xc(1)),
+                    unpack_q4_1_chunk(xc(2)),
+                    unpack_q4_1_chunk(xc(3)),
+                ];
+                for (t, sumf) in sc.sums.iter_mut().enumerate() {
+                    let yp = &sc.pairs[t * n_pairs + 4 * c..(t + 1) * n_pairs];
+                    let tc = sc.terms[t * n_chunks + c];
+                    let n_p = len.div_ceil(2);
+                    let terms = [
+                        q4_1_pair_terms(&x[0], n_p, yp, tc),
+                        q4_1_pair_terms(&x[1], n_p, yp, tc),
+                        q4_1_pair_terms(&x[2], n_p, yp, tc),
+                        q4_1_pair_terms(&x[3], n_p, yp, tc),
+                    ];
+                    *sumf = add_in_order_x4(*sumf, &terms, len);
+                }
+            }
+            for (t, sumf) in sc.sums.iter().enumerate() {
+                store_f32x4(&mut out[t * n_rows + 4 * g..], *sumf);
+            }
+        }
+        for r in 4 * groups..n_rows {
+            let row = &w[r * nb..(r + 1) * nb];
+            for (t, yt) in y.chunks_exact(nb).enumerate() {
+                out[t * n_rows + r] = dot_q4_1_q8_0(row, yt);
+            }
+        }
+    });
 }
 
 /// [`crate::q8_matvec::matvec_q8_0_q8_0_ref`] for rows of `nb` blocks, four rows
