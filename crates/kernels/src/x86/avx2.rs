@@ -604,17 +604,39 @@ fn add_in_order_x4(mut sumf: __m128, t: &[__m256; 4], n: usize) -> __m128 {
 }
 
 /// The float terms `sumi·(dx·dy)` of up to eight Q8_0 blocks, as
-/// [`dot_q8_0_q8_0`] forms them (`dy` given).
+/// [`dot_q8_0_q8_0`] forms them (`dy` given). With `NO_MIN_Y` (no activation quant
+/// is -128) each block's sum is `maddubs(|x|, sign(y, x))`: |x| <= 128 as an
+/// unsigned byte and |sign(y, x)| <= 127, so a pair is at most 2·128·127 and never
+/// saturates, and Σ|x|·sign(y, x) = Σx·y exactly. Otherwise both sides are widened
+/// to i16 first (exact for any bytes).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q8_0_terms(xc: &[BlockQ8_0], yc: &[BlockQ8_0], dy: __m256) -> __m256 {
+fn q8_0_terms<const NO_MIN_Y: bool>(xc: &[BlockQ8_0], yc: &[BlockQ8_0], dy: __m256) -> __m256 {
     let mut p = [_mm256_setzero_si256(); 8];
     for (p, (bx, by)) in p.iter_mut().zip(xc.iter().zip(yc)) {
-        *p = sumi_q8_0(bx, by);
+        *p = if NO_MIN_Y {
+            let (x, y) = (load_i8x32(&bx.qs), load_i8x32(&by.qs));
+            sum_pairs_i16(_mm256_maddubs_epi16(
+                _mm256_abs_epi8(x),
+                _mm256_sign_epi8(y, x),
+            ))
+        } else {
+            sumi_q8_0(bx, by)
+        };
     }
     let sumi = _mm256_cvtepi32_ps(hsum_8x8(&p));
     let dx = f16_lo(gather_head(xc));
     _mm256_mul_ps(sumi, _mm256_mul_ps(dx, dy))
+}
+
+/// Whether some quant of `y` is -128 (which `maddubs(|x|, sign(y, x))` cannot
+/// take: its negation does not fit in a byte).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn has_min_quant(y: &[BlockQ8_0]) -> bool {
+    let min = _mm256_set1_epi8(i8::MIN);
+    y.iter()
+        .any(|b| _mm256_movemask_epi8(_mm256_cmpeq_epi8(load_i8x32(&b.qs), min)) != 0)
 }
 
 /// Most blocks per row [`mvq_q4_1`] prepares activations for on the stack (rows of
@@ -851,9 +873,26 @@ fn gemq_q4_1(w: &[BlockQ4_1], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
 }
 
 /// [`crate::q8_matvec::matvec_q8_0_q8_0_ref`] for rows of `nb` blocks, four rows
-/// at a time like [`mvq_q4_1`], each like [`dot_q8_0_q8_0`].
+/// at a time like [`mvq_q4_1`], each like [`dot_q8_0_q8_0`]; the sign trick of
+/// [`q8_0_terms`] unless an activation quant is -128 (never, for activations
+/// from [`crate::q8_0::quantize_row_ref`], whose quants lie in -127..=127).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn mvq_q8_0(w: &[BlockQ8_0], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
+    if has_min_quant(y) {
+        mvq_q8_0_rows::<false>(w, nb, y, out)
+    } else {
+        mvq_q8_0_rows::<true>(w, nb, y, out)
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn mvq_q8_0_rows<const NO_MIN_Y: bool>(
+    w: &[BlockQ8_0],
+    nb: usize,
+    y: &[BlockQ8_0],
+    out: &mut [f32],
+) {
     let mut rows = w.chunks_exact(4 * nb);
     let mut outs = out.chunks_exact_mut(4);
     for (w4, o4) in rows.by_ref().zip(outs.by_ref()) {
@@ -864,10 +903,10 @@ fn mvq_q8_0(w: &[BlockQ8_0], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
             let dy = f16_lo(gather_head(yc));
             let xc = |r: usize| &w4[r * nb + 8 * c..][..yc.len()];
             let terms = [
-                q8_0_terms(xc(0), yc, dy),
-                q8_0_terms(xc(1), yc, dy),
-                q8_0_terms(xc(2), yc, dy),
-                q8_0_terms(xc(3), yc, dy),
+                q8_0_terms::<NO_MIN_Y>(xc(0), yc, dy),
+                q8_0_terms::<NO_MIN_Y>(xc(1), yc, dy),
+                q8_0_terms::<NO_MIN_Y>(xc(2), yc, dy),
+                q8_0_terms::<NO_MIN_Y>(xc(3), yc, dy),
             ];
             sumf = add_in_order_x4(sumf, &terms, yc.len());
         }
