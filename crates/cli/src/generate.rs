@@ -153,10 +153,9 @@ pub fn load(a: &ModelArgs) -> Result<Loaded> {
     })
 }
 
-/// `--threads`, else every available core.
+/// `--threads`, else one per physical core.
 pub fn thread_count(a: &ModelArgs) -> usize {
-    a.threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    a.threads.unwrap_or_else(ds4_engine::default_threads)
 }
 
 impl ModelArgs {

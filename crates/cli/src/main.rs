@@ -67,7 +67,7 @@ pub struct ModelArgs {
     /// Context size in tokens.
     #[arg(long, default_value_t = 4096)]
     pub ctx: usize,
-    /// Worker threads (default: all available cores).
+    /// Worker threads (default: one per physical core).
     #[arg(long)]
     pub threads: Option<usize>,
     /// Exact path: f32 activations summed in the scalar reference order (slower;
@@ -125,7 +125,8 @@ fn info() -> Result<()> {
     );
     println!("cpu features: {}", cpu_features());
     println!(
-        "threads: {} by default (--threads)",
+        "threads: {} by default, one per physical core ({} CPUs available; --threads)",
+        ds4_engine::default_threads(),
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     println!("DS4_HOME: {}", models::ds4_home()?.display());

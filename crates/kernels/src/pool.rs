@@ -221,6 +221,36 @@ impl Drop for ThreadPool {
     }
 }
 
+/// The default thread count: one per physical core (SMT siblings share a core's
+/// vector units, which these kernels keep busy), never more than the CPUs this
+/// process may run on. Physical cores are the distinct (`physical id`, `core id`)
+/// pairs of `/proc/cpuinfo`; where that is not readable, every available CPU.
+pub fn default_threads() -> usize {
+    let available = std::thread::available_parallelism().map_or(1, |n| n.get());
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| physical_cores(&text))
+        .map_or(available, |cores| cores.min(available))
+}
+
+/// Distinct (`physical id`, `core id`) pairs in a `/proc/cpuinfo` text; `None`
+/// if it names no core ids (some architectures and kernels leave them out).
+fn physical_cores(cpuinfo: &str) -> Option<usize> {
+    let mut cores = std::collections::HashSet::new();
+    for cpu in cpuinfo.split("\n\n") {
+        let field = |name: &str| {
+            cpu.lines()
+                .filter_map(|l| l.split_once(':'))
+                .find(|(k, _)| k.trim() == name)
+                .map(|(_, v)| v.trim().to_string())
+        };
+        if let Some(core) = field("core id") {
+            cores.insert((field("physical id").unwrap_or_default(), core));
+        }
+    }
+    (!cores.is_empty()).then_some(cores.len())
+}
+
 /// The `[start, end)` share of `n` items for thread `idx` of `n_threads`, in
 /// contiguous, nearly equal chunks.
 pub fn split_range(n: usize, idx: usize, n_threads: usize) -> std::ops::Range<usize> {
@@ -305,6 +335,29 @@ mod tests {
             let ns = t.elapsed().as_nanos() as f64 / reps as f64;
             println!("{n} threads: {ns:.0} ns per dispatch");
         }
+    }
+
+    #[test]
+    fn physical_cores_count_smt_siblings_once() {
+        let cpu = |proc: u32, phys: u32, core: u32| {
+            format!("processor\t: {proc}\nphysical id\t: {phys}\ncore id\t\t: {core}\nflags\t\t: avx2\n")
+        };
+        // Two sockets of two cores with two threads each: 8 CPUs, 4 cores.
+        let text = [
+            cpu(0, 0, 0),
+            cpu(1, 0, 1),
+            cpu(2, 1, 0),
+            cpu(3, 1, 1),
+            cpu(4, 0, 0),
+            cpu(5, 0, 1),
+            cpu(6, 1, 0),
+            cpu(7, 1, 1),
+        ]
+        .join("\n");
+        assert_eq!(physical_cores(&text), Some(4));
+        assert_eq!(physical_cores("processor\t: 0\nmodel name\t: x\n"), None);
+        let n = default_threads();
+        assert!(n >= 1 && n <= std::thread::available_parallelism().map_or(1, |n| n.get()));
     }
 
     #[test]
