@@ -610,7 +610,7 @@ fn bench_summary_json() {
     let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
     assert_eq!(v["threads"], 1);
     assert!(
-        v["kernel_tier"].is_string() && v["precision"] == "fast",
+        v["kernel_tier"].is_string() && v["precision"] == "fast" && v["kv_type"] == "f16",
         "{v}"
     );
     let results = v["results"].as_array().unwrap();

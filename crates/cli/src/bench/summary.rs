@@ -19,6 +19,7 @@ struct Summary {
     threads: usize,
     kernel_tier: &'static str,
     precision: &'static str,
+    kv_type: &'static str,
     results: Vec<TestResult>,
 }
 
@@ -87,6 +88,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         threads: bench.threads,
         kernel_tier: ds4_engine::kernel_tier(),
         precision: precision_name(a.model.precision()),
+        kv_type: a.model.kv_type().name(),
         results,
     };
     if a.json {
@@ -108,12 +110,19 @@ fn run_repeated(
 }
 
 fn print_table(s: &Summary) {
-    println!("| model | threads | kernels | precision | test | t/s |");
-    println!("| --- | ---: | --- | --- | ---: | ---: |");
+    println!("| model | threads | kernels | precision | K/V | test | t/s |");
+    println!("| --- | ---: | --- | --- | --- | ---: | ---: |");
     for r in &s.results {
         println!(
-            "| {} | {} | {} | {} | {} | {:.2} ± {:.2} |",
-            s.model, s.threads, s.kernel_tier, s.precision, r.test, r.avg_ts, r.stddev_ts
+            "| {} | {} | {} | {} | {} | {} | {:.2} ± {:.2} |",
+            s.model,
+            s.threads,
+            s.kernel_tier,
+            s.precision,
+            s.kv_type,
+            r.test,
+            r.avg_ts,
+            r.stddev_ts
         );
     }
 }

@@ -89,10 +89,12 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let mut session = bench.session(&a.model, a.ctx_max + a.gen_tokens);
     let frontiers = frontiers(a.ctx_start, a.ctx_max, step);
     eprintln!(
-        "bench: {}, {} threads, {} kernels; frontiers {frontiers:?}",
+        "bench: {}, {} threads, {} kernels, {} precision, {} K/V; frontiers {frontiers:?}",
         bench.file_name(),
         bench.threads,
         ds4_engine::kernel_tier(),
+        crate::generate::precision_name(a.model.precision()),
+        a.model.kv_type().name(),
     );
 
     let mut csv = format!("{CSV_HEADER}\n");
