@@ -91,10 +91,10 @@ pub(crate) fn check_gemm(w_blocks: usize, y_blocks: usize, nb: usize, out_len: u
 /// If the shapes do not fit (see [`check_gemm`]).
 pub fn gemm_q4_1_q8_0_ref(w: &[BlockQ4_1], y: &[BlockQ8_0], nb: usize, out: &mut [f32]) {
     check_gemm(w.len(), y.len(), nb, out.len());
-    if nb == 0 {
+    let n_rows = w.len().checked_div(nb).unwrap_or(0);
+    if n_rows == 0 {
         return;
     }
-    let n_rows = w.len() / nb;
     for (yt, ot) in y.chunks_exact(nb).zip(out.chunks_exact_mut(n_rows)) {
         matvec_q4_1_q8_0_ref(w, yt, ot);
     }

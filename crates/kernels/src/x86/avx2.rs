@@ -54,8 +54,8 @@ pub(super) static KERNELS: Kernels = Kernels {
     gemm_q4_1_q8_0,
     gemm_tile,
     exp_inplace,
-    attn_group_f32,
-    attn_group_f16,
+    attn_group_f32: attn_group_checked::<f32>,
+    attn_group_f16: attn_group_checked::<u16>,
     widen_f16,
 };
 
@@ -204,34 +204,6 @@ fn gemm_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
 fn exp_inplace(x: &mut [f32]) {
     // SAFETY: see above.
     unsafe { exp_slice(x) }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn attn_group_f32(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    scale: f32,
-    st: &mut [Running],
-    acc: &mut [f32],
-    scores: &mut [f32],
-    stream: bool,
-) {
-    attn_group_checked(q, k, v, scale, st, acc, scores, stream)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn attn_group_f16(
-    q: &[f32],
-    k: &[u16],
-    v: &[u16],
-    scale: f32,
-    st: &mut [Running],
-    acc: &mut [f32],
-    scores: &mut [f32],
-    stream: bool,
-) {
-    attn_group_checked(q, k, v, scale, st, acc, scores, stream)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -698,6 +670,8 @@ fn unpack_q4_1_chunk(xc: &[BlockQ4_1]) -> Q4_1Chunk {
             _mm256_and_si256(_mm256_srli_epi16::<4>(q), low),
         ];
     }
+    // A full chunk's heads by one `vpgatherdd`: here, unlike in `gather_head`'s
+    // callers, it measured ~3% faster on Q8 decode.
     let head = if xc.len() == 8 {
         // SAFETY: the 8 blocks are 8·20 readable bytes, and lane i reads the 4
         // head bytes of block i at byte offset 20·i.
@@ -814,6 +788,9 @@ thread_local! {
 fn gemq_q4_1(w: &[BlockQ4_1], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
     let n_tok = y.len() / nb;
     let n_rows = w.len() / nb;
+    if n_rows == 0 {
+        return;
+    }
     if nb > MVQ_MAX_BLOCKS || n_tok < 2 {
         for (yt, ot) in y.chunks_exact(nb).zip(out.chunks_exact_mut(n_rows)) {
             mvq_q4_1(w, nb, yt, ot);
