@@ -192,10 +192,13 @@ fn select_tier(
 #[inline]
 fn kernels() -> &'static Kernels {
     static SELECTED: OnceLock<&'static Kernels> = OnceLock::new();
-    SELECTED.get_or_init(|| {
-        let request = std::env::var("DS4_KERNELS").ok();
-        select_tier(request.as_deref(), &available_tiers()).unwrap_or_else(|e| panic!("{e}"))
-    })
+    SELECTED.get_or_init(|| requested_tier().unwrap_or_else(|e| panic!("{e}")))
+}
+
+/// The tier `DS4_KERNELS` (read now) and the CPU select.
+fn requested_tier() -> Result<&'static Kernels, String> {
+    let request = std::env::var("DS4_KERNELS").ok();
+    select_tier(request.as_deref(), &available_tiers())
 }
 
 /// The name of the kernel tier in use: `"avx2"` (AVX2 + F16C, x86_64) or
@@ -219,8 +222,7 @@ pub fn available_kernel_tiers() -> Vec<&'static str> {
 /// a front end calls this first to turn a bad value into a clear error instead
 /// of [`kernel_tier`]'s panic.
 pub fn requested_kernel_tier() -> Result<&'static str, String> {
-    let request = std::env::var("DS4_KERNELS").ok();
-    select_tier(request.as_deref(), &available_tiers()).map(|k| k.tier)
+    requested_tier().map(|k| k.tier)
 }
 
 /// Errors from the type-erased front end. Each names the format and the sizes involved.
@@ -744,9 +746,9 @@ pub fn vec_dot_rows(
             (kernels().matvec_q8_0_q8_0)(cast_checked(w_rows), y, out)
         }
         _ => {
-            let rb = row_bytes.unwrap_or(0).max(1);
-            for (row, o) in w_rows.chunks_exact(rb).zip(out.iter_mut()) {
-                *o = vec_dot(fmt, n, row, act);
+            let rb = row_bytes.unwrap_or(0);
+            for (r, o) in out.iter_mut().enumerate() {
+                *o = vec_dot(fmt, n, &w_rows[r * rb..(r + 1) * rb], act);
             }
         }
     }
