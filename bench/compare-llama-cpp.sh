@@ -21,7 +21,7 @@
 #   DEPTH_GEN    tokens generated at each depth (default 32)
 #   DEPTH_THREADS threads of the decode check (default 2)
 #   VARIANTS     ds4 configurations to measure, each against the same llama-bench
-#                runs (default "fast q8"): fast = the default f32 activations,
+#                runs (default "fast q8"): fast = the default (16-bit activations),
 #                q8 = --q8-activations (llama.cpp's own numerics)
 #   KV_TYPE      ds4's K/V element type (default f16, what llama-bench caches)
 # Needs python3 (to read the results), and to build llama-bench: pip, cmake and a C++ compiler.
@@ -177,7 +177,7 @@ for d in depths:
     for v in variants:
         rows.append((f"tg{depth_gen} @ d{d}", depth_threads, v, ds4_sweep(d, v), llama("decode-depth", d)))
 
-print(f"ds4 K/V {kv_type}; llama.cpp K/V f16. Variants: fast = f32 activations (ds4's default), "
+print(f"ds4 K/V {kv_type}; llama.cpp K/V f16. Variants: fast = 16-bit activations (ds4's default), "
       "q8 = --q8-activations (llama.cpp's numerics).")
 print()
 print("| test | threads | ds4 variant | ds4 t/s | llama.cpp t/s | ds4/llama |")

@@ -10,9 +10,12 @@ use ds4_kernels::{ActivationFormat, QuantizedActivations};
 /// How matrix products treat activations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Precision {
-    /// f32 activations, weights decoded in registers and dotted with fused
-    /// multiply-adds in one fixed order (`ds4_kernels::fast`, order F1) that batched
-    /// and single-token products share: the exact result up to float rounding order.
+    /// Against Q4_1 and Q8_0 weights, activations rounded to 16-bit blocks and
+    /// integer dot products (`ds4_kernels::act16`, order F2: an error of at most
+    /// 1/65534 of each block's largest value); against other formats, f32
+    /// activations and weights dotted with fused multiply-adds
+    /// (`ds4_kernels::fast`, order F1). One fixed order per format that batched
+    /// and single-token products share.
     #[default]
     Fast,
     /// Weights dequantized exactly and dotted with f32 activations in the scalar

@@ -31,6 +31,7 @@
 //!   lengths agree: a mismatch there is a bug in the caller, not bad input.
 //!   Untrusted sizes go through the `Result`-returning front end here.
 
+pub mod act16;
 pub mod attn;
 pub mod bf16;
 pub mod f16;
@@ -91,12 +92,6 @@ pub(crate) struct Kernels {
     pub(crate) quantize_row_q8_0: fn(&[f32], &mut [BlockQ8_0]),
     /// [`fast::dot_fma1_ref`].
     pub(crate) dot_fma1: fn(&[f32], &[f32]) -> f32,
-    /// [`fast::dequantize_row_q4_1_fma_ref`].
-    pub(crate) dequantize_row_q4_1_fma: fn(&[q4_1::BlockQ4_1], &mut [f32]),
-    /// [`fast::matvec_q4_1_ref`].
-    pub(crate) matvec_q4_1: fn(&[q4_1::BlockQ4_1], &[f32], &mut [f32]),
-    /// [`fast::matvec_q8_0_ref`].
-    pub(crate) matvec_q8_0: fn(&[BlockQ8_0], &[f32], &mut [f32]),
     /// [`q8_matvec::matvec_q4_1_q8_0_ref`].
     pub(crate) matvec_q4_1_q8_0: fn(&[q4_1::BlockQ4_1], &[BlockQ8_0], &mut [f32]),
     /// [`q8_matvec::gemm_q4_1_q8_0_ref`].
@@ -113,7 +108,17 @@ pub(crate) struct Kernels {
     pub(crate) attn_group_f16: AttnGroupFn<u16>,
     /// [`attn::widen_f16_ref`].
     pub(crate) widen_f16: fn(&[u16], &mut [f32]),
+    /// [`act16::quantize_row_ref`].
+    pub(crate) quantize_act16: QuantizeAct16Fn,
+    /// [`act16::gemm_q4_1_ref`].
+    pub(crate) gemm_q4_1_act16: fn(&[q4_1::BlockQ4_1], &act16::Act16, &mut [f32]),
+    /// [`act16::gemm_q8_0_ref`].
+    pub(crate) gemm_q8_0_act16: fn(&[BlockQ8_0], &act16::Act16, &mut [f32]),
 }
+
+/// The signature of [`act16::quantize_row`].
+#[doc(hidden)]
+pub type QuantizeAct16Fn = fn(&[f32], &mut [i16], &mut [f32], &mut [f32]);
 
 /// The signature of [`attn::attn_group`] on rows of `T`.
 #[doc(hidden)]
@@ -133,9 +138,6 @@ pub(crate) static SCALAR: Kernels = Kernels {
     dequantize_row_q8_0: q8_0::dequantize_row,
     quantize_row_q8_0: q8_0::quantize_row_ref,
     dot_fma1: fast::dot_fma1_ref,
-    dequantize_row_q4_1_fma: fast::dequantize_row_q4_1_fma_ref,
-    matvec_q4_1: fast::matvec_q4_1_ref,
-    matvec_q8_0: fast::matvec_q8_0_ref,
     matvec_q4_1_q8_0: q8_matvec::matvec_q4_1_q8_0_ref,
     matvec_q8_0_q8_0: q8_matvec::matvec_q8_0_q8_0_ref,
     gemm_q4_1_q8_0: q8_matvec::gemm_q4_1_q8_0_ref,
@@ -144,6 +146,9 @@ pub(crate) static SCALAR: Kernels = Kernels {
     attn_group_f32: attn::attn_group_ref::<f32>,
     attn_group_f16: attn::attn_group_ref::<u16>,
     widen_f16: attn::widen_f16_ref,
+    quantize_act16: act16::quantize_row_ref,
+    gemm_q4_1_act16: act16::gemm_q4_1_ref,
+    gemm_q8_0_act16: act16::gemm_q8_0_ref,
 };
 
 /// Every tier name, lowest first: what `DS4_KERNELS` accepts.

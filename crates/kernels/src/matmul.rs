@@ -4,6 +4,7 @@
 
 use std::cell::RefCell;
 
+use crate::act16::Act16;
 use crate::pool::{split_range, ThreadPool};
 #[cfg(test)]
 use crate::vec_dot;
@@ -94,20 +95,9 @@ pub fn matmul(
         if n_tokens > 1 && !rows.is_empty() {
             if let (WeightFormat::Q4_1, Some(y)) = (w.fmt, act.q8_0_blocks()) {
                 let data = &w.data[rows.start * rb..rows.end * rb];
-                ROW_SCRATCH.with_borrow_mut(|local| {
-                    local.resize(n_tokens * rows.len(), 0.0);
-                    crate::q8_matvec::gemm_q4_1_q8_0(
-                        cast_rows(w, data),
-                        y,
-                        w.n_in / crate::q8_0::QK8_0,
-                        local,
-                    );
-                    for (t, lt) in local.chunks_exact(rows.len()).enumerate() {
-                        // SAFETY: this thread's rows of token t lie inside the
-                        // output and belong to this thread alone (`split_range`).
-                        let o = unsafe { ptr.slice(t * w.n_out + rows.start, rows.len()) };
-                        o.copy_from_slice(lt);
-                    }
+                let nb = w.n_in / crate::q8_0::QK8_0;
+                batched_rows(w, n_tokens, rows, ptr, |local| {
+                    crate::q8_matvec::gemm_q4_1_q8_0(cast_rows(w, data), y, nb, local)
                 });
                 return;
             }
@@ -124,8 +114,38 @@ pub fn matmul(
     });
 }
 
+/// Runs `product`, which fills `out[t * rows.len() + r]` for this thread's rows
+/// `rows` of `w` and every token, and puts each token's values in place (row
+/// `rows.start + r` of token `t` of `ptr`'s output of `n_tokens · w.n_out`).
+/// One token writes in place; more go through a per-thread buffer.
+fn batched_rows(
+    w: &WeightMatrix<'_>,
+    n_tokens: usize,
+    rows: std::ops::Range<usize>,
+    ptr: OutPtr,
+    product: impl FnOnce(&mut [f32]),
+) {
+    if n_tokens == 1 {
+        // SAFETY: the rows lie inside the output (rows.end <= n_out) and belong
+        // to this thread alone (`split_range`).
+        return product(unsafe { ptr.slice(rows.start, rows.len()) });
+    }
+    ROW_SCRATCH.with_borrow_mut(|local| {
+        local.resize(n_tokens * rows.len(), 0.0);
+        product(local);
+        for (t, lt) in local.chunks_exact(rows.len()).enumerate() {
+            // SAFETY: this thread's rows of token t lie inside the output and
+            // belong to this thread alone (`split_range`).
+            let o = unsafe { ptr.slice(t * w.n_out + rows.start, rows.len()) };
+            o.copy_from_slice(lt);
+        }
+    });
+}
+
 thread_local! {
     static ROW_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The 16-bit activations of the current [`matmul_fast`] call.
+    static ACT16: RefCell<Act16> = RefCell::new(Act16::default());
     /// A panel of [`PANEL`] dequantized weight rows for [`matmul_fast`].
     static PANEL_SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
@@ -144,29 +164,25 @@ const _: () =
 /// Most matrices one [`matmul_fast`] call takes.
 pub const MAX_FUSED: usize = 4;
 
-/// Decodes one row for the fast path (order F1 of [`crate::fast`], step 1).
+/// Decodes one row for order F1 (exactly, [`crate::dequantize_row`]).
 fn dequant_fast(fmt: WeightFormat, row: &[u8], out: &mut [f32]) {
-    let r = match fmt {
-        WeightFormat::Q4_1 => {
-            crate::q4_1::blocks(row).map(|b| crate::fast::dequantize_row_q4_1_fma(b, out))
-        }
-        _ => dequantize_row(fmt, row, out),
-    };
-    if let Err(e) = r {
+    if let Err(e) = dequantize_row(fmt, row, out) {
         panic!("matmul_fast: {e}");
     }
 }
 
 /// `outs[i][t * n_out + r] = w_i.row(r) · x_t` for every matrix `ws[i]` (all taking
-/// rows of the same length) and every token `t` of `x`, in the fast path's order F1
-/// ([`crate::fast`]): f32 activations, fused multiply-adds, one fixed order per
-/// (row, token) however many tokens there are. So a batch gives bit for bit what
-/// the tokens one at a time give.
+/// rows of the same length) and every token `t` of `x`, in the fast path's fixed
+/// orders: Q4_1 and Q8_0 rows against the activations rounded to 16 bits (order
+/// F2, [`crate::act16`]), every other format dequantized exactly and dotted in
+/// f32 with fused multiply-adds (order F1, [`crate::fast`]). Each (row, token)
+/// has one order however many tokens there are, so a batch gives bit for bit
+/// what the tokens one at a time give.
 ///
-/// One pool dispatch for all the matrices; each matrix's rows are split over the
-/// threads. One token: fused dequantize-and-dot kernels (Q4_1, Q8_0), four rows at
-/// a time, no intermediate buffer. More: each thread dequantizes panels of
-/// [`PANEL`] rows once and runs register tiles of 3 rows × 3 tokens over them.
+/// The activations are rounded once, on the calling thread; then one pool
+/// dispatch for all the matrices, each matrix's rows split over the threads.
+/// Order F1 with several tokens: each thread dequantizes panels of [`PANEL`]
+/// rows once and runs register tiles of 3 rows × 3 tokens over them.
 ///
 /// # Panics
 /// If more than [`MAX_FUSED`] matrices are given, their row lengths differ, or an
@@ -196,19 +212,46 @@ pub fn matmul_fast(
         *p = OutPtr(out.as_mut_ptr());
     }
     let n_threads = pool.n_threads();
-    pool.run(&|ith| {
-        for (w, &out) in ws.iter().zip(&ptrs) {
-            if n_tok == 1 {
-                matvec_rows(w, x, split_range(w.n_out, ith, n_threads), out);
-            } else {
-                let panels = split_range(w.n_out.div_ceil(PANEL), ith, n_threads);
-                gemm_panels(w, x, n_tok, panels, out);
-            }
+    ACT16.with_borrow_mut(|acts| {
+        if ws.iter().any(|w| uses_act16(w.fmt)) {
+            acts.quantize(x, n_in);
         }
+        let acts = &*acts;
+        pool.run(&|ith| {
+            for (w, &out) in ws.iter().zip(&ptrs) {
+                let rows = split_range(w.n_out, ith, n_threads);
+                if uses_act16(w.fmt) {
+                    act16_rows(w, acts, rows, out);
+                } else if n_tok == 1 {
+                    matvec_rows(w, x, rows, out);
+                } else {
+                    let panels = split_range(w.n_out.div_ceil(PANEL), ith, n_threads);
+                    gemm_panels(w, x, n_tok, panels, out);
+                }
+            }
+        });
     });
 }
 
-/// Rows `rows` of `w` times the single token `x`.
+/// Whether [`matmul_fast`] runs `fmt` in order F2 (16-bit activations).
+fn uses_act16(fmt: WeightFormat) -> bool {
+    matches!(fmt, WeightFormat::Q4_1 | WeightFormat::Q8_0)
+}
+
+/// Rows `rows` of a Q4_1 or Q8_0 `w` against every token of `acts`.
+fn act16_rows(w: &WeightMatrix<'_>, acts: &Act16, rows: std::ops::Range<usize>, out: OutPtr) {
+    if rows.is_empty() {
+        return;
+    }
+    let rb = w.row_bytes();
+    let data = &w.data[rows.start * rb..rows.end * rb];
+    batched_rows(w, acts.rows(), rows, out, |local| match w.fmt {
+        WeightFormat::Q4_1 => crate::act16::gemm_q4_1(cast_rows(w, data), acts, local),
+        _ => crate::act16::gemm_q8_0(cast_rows(w, data), acts, local),
+    });
+}
+
+/// Rows `rows` of `w` (order F1) times the single token `x`.
 fn matvec_rows(w: &WeightMatrix<'_>, x: &[f32], rows: std::ops::Range<usize>, out: OutPtr) {
     if rows.is_empty() {
         return;
@@ -219,21 +262,17 @@ fn matvec_rows(w: &WeightMatrix<'_>, x: &[f32], rows: std::ops::Range<usize>, ou
     // one token) and belongs to this thread alone (`split_range`), so the slice is
     // in bounds and no other thread touches it until `run` returns.
     let out = unsafe { out.slice(rows.start, rows.len()) };
-    match w.fmt {
-        WeightFormat::Q4_1 => crate::fast::matvec_q4_1(cast_rows(w, data), x, out),
-        WeightFormat::Q8_0 => crate::fast::matvec_q8_0(cast_rows(w, data), x, out),
-        _ => ROW_SCRATCH.with_borrow_mut(|scratch| {
-            scratch.resize(w.n_in, 0.0);
-            for (row, o) in data.chunks_exact(rb).zip(out.iter_mut()) {
-                dequant_fast(w.fmt, row, scratch);
-                *o = crate::fast::dot_fma1(scratch, x);
-            }
-        }),
-    }
+    ROW_SCRATCH.with_borrow_mut(|scratch| {
+        scratch.resize(w.n_in, 0.0);
+        for (row, o) in data.chunks_exact(rb).zip(out.iter_mut()) {
+            dequant_fast(w.fmt, row, scratch);
+            *o = crate::fast::dot_fma1(scratch, x);
+        }
+    })
 }
 
 fn cast_rows<'a, T: bytemuck::Pod>(w: &WeightMatrix<'_>, data: &'a [u8]) -> &'a [T] {
-    crate::cast_blocks(w.fmt.name(), data).unwrap_or_else(|e| panic!("matmul_fast: {e}"))
+    crate::cast_blocks(w.fmt.name(), data).unwrap_or_else(|e| panic!("matmul: {e}"))
 }
 
 /// Panels `panels` (of [`PANEL`] rows) of `w` times the `n_tok` tokens of `x`.
@@ -409,12 +448,32 @@ mod tests {
             }
             let mut deq = vec![0f32; n_in];
             for t in 0..n_tok {
+                let xt = &x[t * n_in..(t + 1) * n_in];
+                // Order F2's rounding moves each activation by at most half a step
+                // of its block (amax / 32767).
+                let half_step: Vec<f64> = xt
+                    .chunks_exact(32)
+                    .flat_map(|b| {
+                        let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+                        let h = if uses_act16(fmt) {
+                            0.51 * amax / 32767.0
+                        } else {
+                            0.0
+                        };
+                        std::iter::repeat_n(h, 32)
+                    })
+                    .collect();
                 for r in 0..37 {
                     dequantize_row(fmt, wa.row(r), &mut deq).unwrap();
-                    let xt = &x[t * n_in..(t + 1) * n_in];
                     let d: f64 = deq.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    let rounding: f64 = deq
+                        .iter()
+                        .zip(&half_step)
+                        .map(|(&a, h)| a.abs() as f64 * h)
+                        .sum();
                     let got = single_a[t * 37 + r] as f64;
-                    assert!((got - d).abs() <= 1e-4 * (1.0 + d.abs()), "{got} vs {d}");
+                    let bound = rounding + 1e-4 * (1.0 + d.abs());
+                    assert!((got - d).abs() <= bound, "{}: {got} vs {d}", fmt.name());
                 }
             }
             for threads in [1, 2, 3] {

@@ -746,55 +746,99 @@ fn dot_fma1_is_bit_identical_on_every_tier() {
     }
 }
 
+/// 16-bit activation rounding: the same quants, scales and sums on every tier,
+/// for finite values over six decades, all-zero blocks and outliers; a block
+/// with an infinity or NaN gets a NaN scale everywhere.
 #[test]
-fn q4_1_fma_dequantize_is_bit_identical_on_every_tier() {
-    let mut rng = XorShift::new(161);
+fn act16_quantization_is_bit_identical_on_every_tier() {
+    use crate::act16::quantize_row_ref;
+    let mut rng = XorShift::new(171);
     for nb in BLOCK_COUNTS {
-        for how in [Scales::AnyFinite, Scales::Typical, Scales::Fixed(0x8000)] {
-            let x: Vec<BlockQ4_1> = random_blocks(&mut rng, nb, 2, how);
-            let mut want = vec![0.0; nb * QK8_0];
-            crate::fast::dequantize_row_q4_1_fma_ref(&x, &mut want);
+        let n = nb * QK8_0;
+        let mut x = activations(&mut rng, n);
+        x[..QK8_0.min(n)].fill(0.0);
+        x[n - 1] = 3.0e4;
+        let mut cases = vec![x.clone()];
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut y = x.clone();
+            y[n / 2] = bad;
+            cases.push(y);
+        }
+        for x in &cases {
+            let (mut q, mut sc, mut sm) = (vec![0i16; n], vec![0.0; nb], vec![0.0; nb]);
+            quantize_row_ref(x, &mut q, &mut sc, &mut sm);
+            let bad_block = x.iter().position(|v| !v.is_finite()).map(|i| i / QK8_0);
             for k in available_tiers() {
-                let mut got = vec![f32::NAN; nb * QK8_0];
-                (k.dequantize_row_q4_1_fma)(&x, &mut got);
-                assert_eq!(bits(&got), bits(&want), "[{}] {nb} blocks, {how:?}", k.tier);
+                let (mut gq, mut gs, mut gm) = (vec![7i16; n], vec![1.0; nb], vec![1.0; nb]);
+                (k.quantize_act16)(x, &mut gq, &mut gs, &mut gm);
+                for b in 0..nb {
+                    if Some(b) == bad_block {
+                        assert!(gs[b].is_nan() && gm[b].is_nan(), "[{}] block {b}", k.tier);
+                        continue;
+                    }
+                    let blk = b * QK8_0..(b + 1) * QK8_0;
+                    assert_eq!(
+                        gq[blk.clone()],
+                        q[blk],
+                        "[{}] {nb} blocks, block {b}",
+                        k.tier
+                    );
+                    assert_eq!(gs[b].to_bits(), sc[b].to_bits(), "[{}] scale {b}", k.tier);
+                    assert_eq!(gm[b].to_bits(), sm[b].to_bits(), "[{}] sum {b}", k.tier);
+                }
             }
         }
     }
 }
 
-/// The fused matvecs equal, row by row and bit for bit, the definition: the
-/// fast dequantization followed by `dot_fma1`; on every tier, for row counts
-/// that exercise the 4-row groups and the leftover rows.
+/// The products with 16-bit activations give every (row, token) exactly the
+/// scalar order F2, on every tier: one token (the decode kernel, four rows at a
+/// time) and batches around the 8-token groups, rows around the 4-row groups and
+/// across a panel (64 rows of 48 blocks), blocks around the 8-block chunks, any finite weight scales, and activations
+/// from the quantizer as well as raw quants over the whole i16 range.
 #[test]
-fn fused_matvecs_are_bit_identical_on_every_tier() {
-    let mut rng = XorShift::new(162);
-    for nb in [1, 2, 3, 18, 48] {
-        for n_rows in [1, 3, 4, 5, 8, 11] {
+fn act16_products_are_bit_identical_on_every_tier() {
+    use crate::act16::{gemm_q4_1_ref, gemm_q8_0_ref, Act16};
+    let mut rng = XorShift::new(172);
+    for nb in [1, 2, 7, 8, 9, 18, 48] {
+        for (n_rows, n_tok) in [
+            (1, 1),
+            (4, 1),
+            (5, 1),
+            (11, 1),
+            (3, 2),
+            (4, 8),
+            (5, 9),
+            (1, 17),
+            (70, 9),
+        ] {
             for how in [Scales::AnyFinite, Scales::Typical] {
                 let n = nb * QK8_0;
-                let x = activations(&mut rng, n);
                 let w4: Vec<BlockQ4_1> = random_blocks(&mut rng, nb * n_rows, 2, how);
                 let w8: Vec<BlockQ8_0> = random_blocks(&mut rng, nb * n_rows, 1, how);
-                let mut row = vec![0.0; n];
-                let want4: Vec<f32> = (0..n_rows)
-                    .map(|r| {
-                        crate::fast::dequantize_row_q4_1_fma_ref(&w4[r * nb..][..nb], &mut row);
-                        crate::fast::dot_fma1_ref(&row, &x)
-                    })
-                    .collect();
-                let want8: Vec<f32> = (0..n_rows)
-                    .map(|r| {
-                        q8_0::dequantize_row(&w8[r * nb..][..nb], &mut row);
-                        crate::fast::dot_fma1_ref(&row, &x)
-                    })
-                    .collect();
-                for k in available_tiers() {
-                    let mut got = vec![f32::NAN; n_rows];
-                    (k.matvec_q4_1)(&w4, &x, &mut got);
-                    assert_eq!(bits(&got), bits(&want4), "q4_1 [{}] {nb}x{n_rows}", k.tier);
-                    (k.matvec_q8_0)(&w8, &x, &mut got);
-                    assert_eq!(bits(&got), bits(&want8), "q8_0 [{}] {nb}x{n_rows}", k.tier);
+                let mut quantized = Act16::default();
+                quantized.quantize(&activations(&mut rng, n * n_tok), n);
+                let raw = Act16::from_parts(
+                    n,
+                    (0..n * n_tok)
+                        .map(|_| (rng.next_u64() >> 48) as i16)
+                        .collect(),
+                    &rng.vec_uniform(nb * n_tok, -1e-3, 1e-3),
+                    &rng.vec_uniform(nb * n_tok, -2.0, 2.0),
+                );
+                for acts in [&quantized, &raw] {
+                    let mut want4 = vec![0.0; n_rows * n_tok];
+                    let mut want8 = vec![0.0; n_rows * n_tok];
+                    gemm_q4_1_ref(&w4, acts, &mut want4);
+                    gemm_q8_0_ref(&w8, acts, &mut want8);
+                    for k in available_tiers() {
+                        let mut got = vec![f32::NAN; n_rows * n_tok];
+                        (k.gemm_q4_1_act16)(&w4, acts, &mut got);
+                        let case = format!("[{}] {nb} blocks, {n_rows}x{n_tok}, {how:?}", k.tier);
+                        assert_eq!(bits(&got), bits(&want4), "q4_1 {case}");
+                        (k.gemm_q8_0_act16)(&w8, acts, &mut got);
+                        assert_eq!(bits(&got), bits(&want8), "q8_0 {case}");
+                    }
                 }
             }
         }
@@ -1134,37 +1178,57 @@ fn bench_fast() {
         let x = rng.vec_uniform(n_in, -1.0, 1.0);
         let mut out = vec![0.0; n_out];
         let mut row = vec![0.0; n_in];
-        let old4 = best_ns(|| {
+        let f1_4 = best_ns(|| {
             for (r, o) in w4.chunks_exact(nb).zip(out.iter_mut()) {
                 (k.dequantize_row_q4_1)(r, &mut row);
-                *o = (k.vec_dot_f32_fused)(&row, &x);
+                *o = (k.dot_fma1)(&row, &x);
             }
         });
-        let new4 = best_ns(|| (k.matvec_q4_1)(black_box(&w4), &x, &mut out));
-        let old8 = best_ns(|| {
+        let f1_8 = best_ns(|| {
             for (r, o) in w8.chunks_exact(nb).zip(out.iter_mut()) {
                 (k.dequantize_row_q8_0)(r, &mut row);
-                *o = (k.vec_dot_f32_fused)(&row, &x);
+                *o = (k.dot_fma1)(&row, &x);
             }
         });
-        let new8 = best_ns(|| (k.matvec_q8_0)(black_box(&w8), &x, &mut out));
+        let mut a1 = crate::act16::Act16::default();
+        a1.quantize(&x, n_in);
+        let f2_4 = best_ns(|| (k.gemm_q4_1_act16)(black_box(&w4), &a1, &mut out));
+        let f2_8 = best_ns(|| (k.gemm_q8_0_act16)(black_box(&w8), &a1, &mut out));
         println!(
-            "{n_in}x{n_out} [{}] q4_1: dequant+dot {:8.1} us, fused {:8.1} us | q8_0: {:8.1} us, fused {:8.1} us",
+            "{n_in}x{n_out} [{}] one token, dequantize + F1 dot vs 16-bit activations (F2): \
+             q4_1 {:8.1} / {:8.1} us | q8_0 {:8.1} / {:8.1} us",
             k.tier,
-            old4 / 1e3,
-            new4 / 1e3,
-            old8 / 1e3,
-            new8 / 1e3
+            f1_4 / 1e3,
+            f2_4 / 1e3,
+            f1_8 / 1e3,
+            f2_8 / 1e3
         );
-        // The batched product: 64 tokens through tiles, per token.
+        // The batched products: 64 tokens, F1 tiles over 8 panels of 12 dequantized
+        // rows, F2 over 96 rows.
         let toks = 64;
         let xs = rng.vec_uniform(n_in * toks, -1.0, 1.0);
+        let mut a64 = crate::act16::Act16::default();
+        a64.quantize(&xs, n_in);
+        let rows = 96.min(n_out);
+        let mut o64 = vec![0.0; rows * toks];
+        let f2 = best_ns(|| (k.gemm_q4_1_act16)(black_box(&w4[..rows * nb]), &a64, &mut o64));
+        // A prefill chunk's shape: 256 tokens against every row (up to 1536).
+        let (rows_p, toks_p) = (1536.min(n_out), 256);
+        let mut a256 = crate::act16::Act16::default();
+        a256.quantize(&rng.vec_uniform(n_in * toks_p, -1.0, 1.0), n_in);
+        let mut o256 = vec![0.0; rows_p * toks_p];
+        let f2p = best_ns(|| (k.gemm_q4_1_act16)(black_box(&w4[..rows_p * nb]), &a256, &mut o256));
+        println!(
+            "  F2 gemm q4_1: {:.2} MAC/ns (64 tokens x 96 rows), {:.2} MAC/ns ({toks_p} x {rows_p})",
+            (rows * toks * n_in) as f64 / f2,
+            (rows_p * toks_p * n_in) as f64 / f2p
+        );
         let mut wf = vec![0.0; 16 * n_in];
         let mut o = [0.0; 12];
         for (gr, gt) in [(4, 3), (4, 2), (3, 3)] {
             let gemm = best_ns(|| {
                 for p in w4.chunks_exact(12 * nb).take(8) {
-                    (k.dequantize_row_q4_1_fma)(p, &mut wf[..12 * n_in]);
+                    (k.dequantize_row_q4_1)(p, &mut wf[..12 * n_in]);
                     for t0 in (0..toks).step_by(gt) {
                         let nt = gt.min(toks - t0);
                         for g in 0..12 / gr {
@@ -1179,7 +1243,7 @@ fn bench_fast() {
                 }
             });
             let macs = (8 * 12 * toks * n_in) as f64;
-            println!("  gemm tiles {gr}x{gt}: {:.2} MAC/ns", macs / gemm);
+            println!("  F1 gemm tiles {gr}x{gt}: {:.2} MAC/ns", macs / gemm);
         }
     }
 }

@@ -46,9 +46,6 @@ pub(super) static KERNELS: Kernels = Kernels {
     dequantize_row_q8_0,
     quantize_row_q8_0,
     dot_fma1,
-    dequantize_row_q4_1_fma,
-    matvec_q4_1,
-    matvec_q8_0,
     matvec_q4_1_q8_0,
     matvec_q8_0_q8_0,
     gemm_q4_1_q8_0,
@@ -57,6 +54,9 @@ pub(super) static KERNELS: Kernels = Kernels {
     attn_group_f32: attn_group_checked::<f32>,
     attn_group_f16: attn_group_checked::<u16>,
     widen_f16,
+    quantize_act16,
+    gemm_q4_1_act16,
+    gemm_q8_0_act16,
 };
 
 // Table entries: the length checks the scalar references make, then the call.
@@ -119,28 +119,28 @@ fn quantize_row_q8_0(x: &[f32], y: &mut [BlockQ8_0]) {
     unsafe { quant_q8_0(x, y) }
 }
 
+fn quantize_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
+    crate::act16::check_quantize(x.len(), q.len(), scale.len(), sum.len());
+    // SAFETY: see above.
+    unsafe { quant_act16(x, q, scale, sum) }
+}
+
+fn gemm_q4_1_act16(w: &[BlockQ4_1], acts: &crate::act16::Act16, out: &mut [f32]) {
+    let (nb, n_rows) = crate::act16::check_gemm(w.len(), acts, out.len());
+    // SAFETY: see above; the shapes were checked, as `gem16` requires.
+    unsafe { gem16(w, nb, n_rows, acts, out) }
+}
+
+fn gemm_q8_0_act16(w: &[BlockQ8_0], acts: &crate::act16::Act16, out: &mut [f32]) {
+    let (nb, n_rows) = crate::act16::check_gemm(w.len(), acts, out.len());
+    // SAFETY: as above.
+    unsafe { gem16(w, nb, n_rows, acts, out) }
+}
+
 fn dot_fma1(w: &[f32], x: &[f32]) -> f32 {
     assert_eq!(w.len(), x.len(), "dot_fma1 lengths");
     // SAFETY: see above.
     unsafe { fma1(w, x) }
-}
-
-fn dequantize_row_q4_1_fma(x: &[BlockQ4_1], y: &mut [f32]) {
-    assert_eq!(y.len(), x.len() * QK4_1, "q4_1 dequantize lengths");
-    // SAFETY: see above.
-    unsafe { dequant_q4_1_fma(x, y) }
-}
-
-fn matvec_q4_1(w: &[BlockQ4_1], x: &[f32], out: &mut [f32]) {
-    let nb = crate::fast::check_matvec(w.len(), QK4_1, x.len(), out.len());
-    // SAFETY: see above; the shapes were checked, as `mv_q4_1` requires.
-    unsafe { mv_q4_1(w, nb, x, out) }
-}
-
-fn matvec_q8_0(w: &[BlockQ8_0], x: &[f32], out: &mut [f32]) {
-    let nb = crate::fast::check_matvec(w.len(), QK8_0, x.len(), out.len());
-    // SAFETY: see above; the shapes were checked, as `mv_q8_0` requires.
-    unsafe { mv_q8_0(w, nb, x, out) }
 }
 
 fn matvec_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], out: &mut [f32]) {
@@ -1058,6 +1058,349 @@ fn quant_q8_0(x: &[f32], y: &mut [BlockQ8_0]) {
     }
 }
 
+// ---- 16-bit activations (order F2 of `crate::act16`) ---------------------------
+
+/// The f16 heads (first 4 bytes) of up to eight blocks, one per 32-bit lane,
+/// zeros past `xc.len()`: a full chunk by one `vpgatherdd` (measured ~3% faster
+/// on decode than [`gather_head`], unlike in that helper's other callers).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn chunk_heads<T: bytemuck::Pod>(xc: &[T]) -> __m256i {
+    if xc.len() == 8 {
+        let st = size_of::<T>() as i32;
+        // SAFETY: the 8 blocks are 8·size_of::<T>() readable bytes (at least 4
+        // each), and lane i reads the 4 head bytes of block i.
+        unsafe {
+            _mm256_i32gather_epi32::<1>(
+                xc.as_ptr().cast(),
+                _mm256_setr_epi32(0, st, 2 * st, 3 * st, 4 * st, 5 * st, 6 * st, 7 * st),
+            )
+        }
+    } else {
+        gather_head(xc)
+    }
+}
+
+/// A weight block as order F2 takes it.
+trait Block16: bytemuck::Pod {
+    /// Whether the block has a minimum (`m`, the high half of its head).
+    const HAS_MIN: bool;
+    /// The 32 quants as i16 in the stored order of [`crate::act16`]: the even
+    /// elements, then the odd ones, each 128-bit half in element order.
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
+    unsafe fn quants16(&self) -> [__m256i; 2];
+}
+
+impl Block16 for BlockQ4_1 {
+    const HAS_MIN: bool = true;
+    #[inline(always)]
+    unsafe fn quants16(&self) -> [__m256i; 2] {
+        // SAFETY: `qs` is 16 readable bytes; the caller guarantees AVX2.
+        unsafe {
+            // Both halves hold the 16 bytes; the high half shifted by a nibble, so
+            // that byte j's low nibble there is its high one (element 16 + j).
+            let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(self.qs.as_ptr().cast()));
+            let q = _mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+            let low = _mm256_set1_epi16(0x0F);
+            [
+                _mm256_and_si256(q, low),
+                _mm256_and_si256(_mm256_srli_epi16::<8>(q), low),
+            ]
+        }
+    }
+}
+
+impl Block16 for BlockQ8_0 {
+    const HAS_MIN: bool = false;
+    #[inline(always)]
+    unsafe fn quants16(&self) -> [__m256i; 2] {
+        // SAFETY: `qs` is 32 readable bytes; AVX2 as above.
+        unsafe {
+            let q = _mm256_loadu_si256(self.qs.as_ptr().cast());
+            [
+                _mm256_srai_epi16::<8>(_mm256_slli_epi16::<8>(q)),
+                _mm256_srai_epi16::<8>(q),
+            ]
+        }
+    }
+}
+
+/// [`crate::act16::quantize_row_ref`]: the same per-block operations; the block
+/// maximum and the non-finite test reduced across lanes (both are independent of
+/// the order), the quants rounded by `cvtps` (ties to even, as the scalar) and
+/// saturated by `packs` (as its clamp).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn quant_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
+    use crate::act16::{ACT16_MAX, QK_ACT16};
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    for (((xb, qb), s), sigma) in x
+        .chunks_exact(QK_ACT16)
+        .zip(q.chunks_exact_mut(QK_ACT16))
+        .zip(scale)
+        .zip(sum)
+    {
+        let mut v = [_mm256_setzero_ps(); 4];
+        for (v, xs) in v.iter_mut().zip(xb.chunks_exact(8)) {
+            *v = load_f32x8(xs);
+        }
+        let (mut amax, mut non_finite) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for &v in &v {
+            // `max` returns its second operand for a NaN lane, so NaN is skipped.
+            amax = _mm256_max_ps(_mm256_and_ps(v, abs_mask), amax);
+            non_finite = _mm256_add_ps(non_finite, _mm256_mul_ps(v, _mm256_setzero_ps()));
+        }
+        let m = _mm_max_ps(
+            _mm256_castps256_ps128(amax),
+            _mm256_extractf128_ps::<1>(amax),
+        );
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        let inv = _mm256_set1_ps(if amax > 0.0 { ACT16_MAX / amax } else { 0.0 });
+        let mut i = [_mm256_setzero_si256(); 4];
+        for (i, &v) in i.iter_mut().zip(&v) {
+            *i = _mm256_cvtps_epi32(_mm256_mul_ps(v, inv));
+        }
+        // `packs` gives [0..4 8..12 | 4..8 12..16] of each 16 elements; a word
+        // shuffle per 128-bit lane makes 32-bit pairs [0 2][8 10][1 3][9 11] |
+        // [4 6][12 14][5 7][13 15], and a pair permutation [evens | odds] of the
+        // 16; two lane permutations then give the stored [evens | odds] of 32.
+        let split = _mm256_setr_epi8(
+            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3,
+            6, 7, 10, 11, 14, 15,
+        );
+        let pairs = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        let mut halves = [_mm256_setzero_si256(); 2];
+        for (h, v) in halves.iter_mut().enumerate() {
+            let p = _mm256_shuffle_epi8(_mm256_packs_epi32(i[2 * h], i[2 * h + 1]), split);
+            *v = _mm256_permutevar8x32_epi32(p, pairs);
+        }
+        let stored = [
+            _mm256_permute2x128_si256::<0x20>(halves[0], halves[1]),
+            _mm256_permute2x128_si256::<0x31>(halves[0], halves[1]),
+        ];
+        for (part, v) in qb.chunks_exact_mut(16).zip(stored) {
+            // SAFETY: `part` is 16 writable i16s (32 bytes); `storeu` is unaligned.
+            unsafe { _mm256_storeu_si256(part.as_mut_ptr().cast(), v) };
+        }
+        let t = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+        let t = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
+        let t = _mm_add_epi32(t, _mm_shuffle_epi32::<0x4E>(t));
+        let total = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32::<0xB1>(t)));
+        *s = amax / ACT16_MAX + hsum_lanes(non_finite);
+        *sigma = *s * total as f32;
+    }
+}
+
+/// One tile of order F2: `R` rows of `nb` blocks (back to back in `group`) against
+/// `T` activation rows, every pair in its own 8-lane accumulator. Per chunk of
+/// eight blocks each row's `d` and `m` are gathered once (or taken from `scales`,
+/// row `r`'s chunk `c` at `r·chunks + c`) and each pair's `c = d·s` formed eight
+/// wide (stored, then broadcast per block); per block each row's
+/// quants are widened once for the `T` tokens and each token's activations
+/// loaded once for the `R` rows. A single token (`T == 1`, decode) prefetches the
+/// group of rows two groups ahead.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // r and t index several arrays at once
+fn tile16<B: Block16, const R: usize, const T: usize>(
+    group: &[B],
+    nb: usize,
+    toks: [crate::act16::Act16Row<'_>; T],
+    scales: Option<&[[__m256; 2]]>,
+) -> [[f32; T]; R] {
+    let mut rows: [&[B]; R] = [&[]; R];
+    for (r, row) in rows.iter_mut().enumerate() {
+        *row = &group[r * nb..(r + 1) * nb];
+    }
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut macc = [[_mm256_setzero_ps(); T]; R];
+    let n_chunks = nb.div_ceil(8);
+    let ahead = Prefetch::new(group, 2, n_chunks);
+    for c in 0..n_chunks {
+        if T == 1 {
+            ahead.step(c);
+        }
+        let len = (nb - 8 * c).min(8);
+        let mut cs = [[[0.0f32; 8]; T]; R];
+        for r in 0..R {
+            let [d, m] = match scales {
+                Some(sc) => sc[r * n_chunks + c],
+                None => chunk_scales(&rows[r][8 * c..8 * c + len]),
+            };
+            for t in 0..T {
+                let s = load_f32x8(&toks[t].scale[8 * c..]);
+                store_f32x8(&mut cs[r][t], _mm256_mul_ps(d, s));
+                if B::HAS_MIN {
+                    let sigma = load_f32x8(&toks[t].sum[8 * c..]);
+                    macc[r][t] = _mm256_fmadd_ps(m, sigma, macc[r][t]);
+                }
+            }
+        }
+        for j in 0..len {
+            let b = 8 * c + j;
+            let mut w = [[_mm256_setzero_si256(); 2]; R];
+            for r in 0..R {
+                // SAFETY: AVX2 is enabled here.
+                w[r] = unsafe { rows[r][b].quants16() };
+            }
+            for t in 0..T {
+                let x: &[i16; 32] = toks[t].q[32 * b..32 * b + 32].try_into().unwrap();
+                // SAFETY: `x` is 32 readable i16s, read as two halves of 16.
+                let (x0, x1) = unsafe {
+                    (
+                        _mm256_loadu_si256(x.as_ptr().cast()),
+                        _mm256_loadu_si256(x.as_ptr().add(16).cast()),
+                    )
+                };
+                for r in 0..R {
+                    let p = _mm256_add_epi32(
+                        _mm256_madd_epi16(w[r][0], x0),
+                        _mm256_madd_epi16(w[r][1], x1),
+                    );
+                    let cb = _mm256_broadcast_ss(&cs[r][t][j]);
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), cb, acc[r][t]);
+                }
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            let v = if B::HAS_MIN {
+                _mm256_add_ps(acc[r][t], macc[r][t])
+            } else {
+                acc[r][t]
+            };
+            out[r][t] = hsum_lanes(v);
+        }
+    }
+    out
+}
+
+/// `d` and (with a minimum) `m` of up to eight blocks, widened, zeros past
+/// `xc.len()`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn chunk_scales<B: Block16>(xc: &[B]) -> [__m256; 2] {
+    let head = chunk_heads(xc);
+    let m = if B::HAS_MIN {
+        f16_hi(head)
+    } else {
+        _mm256_setzero_ps()
+    };
+    [f16_lo(head), m]
+}
+
+/// Tokens per [`tile16`] in a prefill: one row's widened quants and 8
+/// accumulators fit AVX2's 16 registers with the activations read from memory.
+const TILE16_TOKENS: usize = 8;
+
+/// [`crate::act16::gemm_q4_1_ref`] and its Q8_0 twin: `n_rows` rows of `nb`
+/// blocks against every row of `acts`. One token: four rows per tile. More:
+/// groups of up to [`TILE16_TOKENS`] tokens, each walking a panel of rows (the tokens'
+/// activations stay in L1 while the rows stream from L2).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn gem16<B: Block16>(
+    w: &[B],
+    nb: usize,
+    n_rows: usize,
+    acts: &crate::act16::Act16,
+    out: &mut [f32],
+) {
+    let n_tok = acts.rows();
+    if n_tok == 1 {
+        let a = acts.row(0);
+        let full = n_rows / 4 * 4;
+        for (g, o) in w[..full * nb]
+            .chunks_exact(4 * nb)
+            .zip(out.chunks_exact_mut(4))
+        {
+            for (o, v) in o.iter_mut().zip(tile16::<B, 4, 1>(g, nb, [a], None)) {
+                *o = v[0];
+            }
+        }
+        for (r, o) in (full..n_rows).zip(&mut out[full..]) {
+            *o = tile16::<B, 1, 1>(&w[r * nb..(r + 1) * nb], nb, [a], None)[0][0];
+        }
+        return;
+    }
+    // Each group of eight tokens keeps its activations in L1 while a panel of
+    // rows streams past from L2; the rows' chunk scales are widened once per
+    // panel, not once per group.
+    let panel_rows = (GEMM16_PANEL_CHUNKS / nb.div_ceil(8)).max(1);
+    GEMM16_SCALES.with_borrow_mut(|scales| {
+        for r0 in (0..n_rows).step_by(panel_rows) {
+            let panel = r0..(r0 + panel_rows).min(n_rows);
+            scales.clear();
+            for row in w[panel.start * nb..panel.end * nb].chunks_exact(nb) {
+                scales.extend(row.chunks(8).map(|xc| chunk_scales(xc)));
+            }
+            for t0 in (0..n_tok).step_by(TILE16_TOKENS) {
+                let p = Panel16 {
+                    w,
+                    nb,
+                    n_rows,
+                    rows: panel.clone(),
+                    scales,
+                    t0,
+                };
+                match n_tok - t0 {
+                    8.. => p.tokens::<8>(acts, out),
+                    7 => p.tokens::<7>(acts, out),
+                    6 => p.tokens::<6>(acts, out),
+                    5 => p.tokens::<5>(acts, out),
+                    4 => p.tokens::<4>(acts, out),
+                    3 => p.tokens::<3>(acts, out),
+                    2 => p.tokens::<2>(acts, out),
+                    _ => p.tokens::<1>(acts, out),
+                }
+            }
+        }
+    });
+}
+
+/// Chunk scales per panel of [`gem16`]'s batched path (128 rows of 576
+/// elements, 64 of 1536): larger panels measured faster up to about this size.
+const GEMM16_PANEL_CHUNKS: usize = 384;
+
+thread_local! {
+    /// The chunk scales of [`gem16`]'s current panel.
+    static GEMM16_SCALES: std::cell::RefCell<Vec<[__m256; 2]>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// One panel of rows of [`gem16`] and the first token of a group.
+struct Panel16<'a, B> {
+    w: &'a [B],
+    nb: usize,
+    n_rows: usize,
+    rows: std::ops::Range<usize>,
+    scales: &'a [[__m256; 2]],
+    t0: usize,
+}
+
+impl<B: Block16> Panel16<'_, B> {
+    /// Tokens `t0..t0 + T` against the panel's rows, one row per tile.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn tokens<const T: usize>(&self, acts: &crate::act16::Act16, out: &mut [f32]) {
+        let (nb, n_chunks) = (self.nb, self.nb.div_ceil(8));
+        let mut toks = [acts.row(self.t0); T];
+        for (t, tok) in toks.iter_mut().enumerate() {
+            *tok = acts.row(self.t0 + t);
+        }
+        for (i, r) in self.rows.clone().enumerate() {
+            let scales = &self.scales[i * n_chunks..(i + 1) * n_chunks];
+            let [v] = tile16::<B, 1, T>(&self.w[r * nb..(r + 1) * nb], nb, toks, Some(scales));
+            for (t, x) in v.into_iter().enumerate() {
+                out[(self.t0 + t) * self.n_rows + r] = x;
+            }
+        }
+    }
+}
+
 // ---- the fast f32 path (order F1 of `crate::fast`) -----------------------------
 
 /// The lane reduction of [`crate::f32::reduce_lanes`] as a horizontal sum:
@@ -1091,60 +1434,6 @@ fn fma1(w: &[f32], x: &[f32]) -> f32 {
         *a = wv.mul_add(xv, *a);
     }
     crate::f32::reduce_lanes(&lanes)
-}
-
-/// The 32 quants of a Q4_1 block as four vectors of i32 in element order
-/// (elements 0..8, 8..16, 16..24, 24..32).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn q4_quads(qs: &[u8; 16]) -> [__m256i; 4] {
-    let q = load_u8x16(qs);
-    let w0 = _mm256_cvtepu8_epi32(q);
-    let w1 = _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(q));
-    let low = _mm256_set1_epi32(0x0F);
-    [
-        _mm256_and_si256(w0, low),
-        _mm256_and_si256(w1, low),
-        _mm256_srli_epi32::<4>(w0),
-        _mm256_srli_epi32::<4>(w1),
-    ]
-}
-
-/// `(d, m)` of a Q4_1 block, each broadcast.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn q4_1_dm(b: &BlockQ4_1) -> (__m256, __m256) {
-    // SAFETY: the block's first 4 bytes are `d` and `m`; an unaligned 4-byte read.
-    let bits = unsafe { std::ptr::read_unaligned((b as *const BlockQ4_1).cast::<i32>()) };
-    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
-    (
-        _mm256_broadcastss_ps(dm),
-        _mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
-    )
-}
-
-/// [`crate::fast::dequantize_row_q4_1_fma_ref`]: `fma(q, d, m)`.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dequant_q4_1_fma(x: &[BlockQ4_1], y: &mut [f32]) {
-    for (b, out) in x.iter().zip(y.chunks_exact_mut(QK4_1)) {
-        let (d, m) = q4_1_dm(b);
-        for (q, out) in q4_quads(&b.qs).into_iter().zip(out.chunks_exact_mut(8)) {
-            store_f32x8(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
-        }
-    }
-}
-
-/// The 32 activations of block `b`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn x_block(x: &[f32], b: usize) -> [__m256; 4] {
-    let x = &x[32 * b..32 * b + 32];
-    [
-        load_f32x8(&x[0..]),
-        load_f32x8(&x[8..]),
-        load_f32x8(&x[16..]),
-        load_f32x8(&x[24..]),
-    ]
 }
 
 /// Software prefetch for the fused matvecs. Their rows are short (a few cache
@@ -1182,87 +1471,6 @@ impl Prefetch {
             // the address without claiming it is in any allocation.
             _mm_prefetch::<_MM_HINT_T0>(self.start.wrapping_add(64 * l).cast());
         }
-    }
-}
-
-/// [`crate::fast::matvec_q4_1_ref`] for rows of `nb` blocks, four rows at a time
-/// (four independent accumulator chains), each row in order F1.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn mv_q4_1(w: &[BlockQ4_1], nb: usize, x: &[f32], out: &mut [f32]) {
-    let mut rows = w.chunks_exact(4 * nb);
-    let mut outs = out.chunks_exact_mut(4);
-    for (w4, o4) in rows.by_ref().zip(outs.by_ref()) {
-        rows_q4_1::<4>(w4, nb, x, o4);
-    }
-    for (w1, o1) in rows
-        .remainder()
-        .chunks_exact(nb)
-        .zip(outs.into_remainder().chunks_exact_mut(1))
-    {
-        rows_q4_1::<1>(w1, nb, x, o1);
-    }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn rows_q4_1<const R: usize>(w: &[BlockQ4_1], nb: usize, x: &[f32], out: &mut [f32]) {
-    let rows: [&[BlockQ4_1]; R] = std::array::from_fn(|i| &w[i * nb..(i + 1) * nb]);
-    let mut acc = [_mm256_setzero_ps(); R];
-    let ahead = Prefetch::new(w, 2, nb);
-    for b in 0..nb {
-        ahead.step(b);
-        let xv = x_block(x, b);
-        for (acc, row) in acc.iter_mut().zip(&rows) {
-            let blk = &row[b];
-            let (d, m) = q4_1_dm(blk);
-            for (q, &xv) in q4_quads(&blk.qs).into_iter().zip(&xv) {
-                let wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
-                *acc = _mm256_fmadd_ps(wv, xv, *acc);
-            }
-        }
-    }
-    for (o, acc) in out.iter_mut().zip(acc) {
-        *o = hsum_lanes(acc);
-    }
-}
-
-/// [`crate::fast::matvec_q8_0_ref`], four rows at a time.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn mv_q8_0(w: &[BlockQ8_0], nb: usize, x: &[f32], out: &mut [f32]) {
-    let mut rows = w.chunks_exact(4 * nb);
-    let mut outs = out.chunks_exact_mut(4);
-    for (w4, o4) in rows.by_ref().zip(outs.by_ref()) {
-        rows_q8_0::<4>(w4, nb, x, o4);
-    }
-    for (w1, o1) in rows
-        .remainder()
-        .chunks_exact(nb)
-        .zip(outs.into_remainder().chunks_exact_mut(1))
-    {
-        rows_q8_0::<1>(w1, nb, x, o1);
-    }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn rows_q8_0<const R: usize>(w: &[BlockQ8_0], nb: usize, x: &[f32], out: &mut [f32]) {
-    let rows: [&[BlockQ8_0]; R] = std::array::from_fn(|i| &w[i * nb..(i + 1) * nb]);
-    let mut acc = [_mm256_setzero_ps(); R];
-    let ahead = Prefetch::new(w, 2, nb);
-    for b in 0..nb {
-        ahead.step(b);
-        let xv = x_block(x, b);
-        for (acc, row) in acc.iter_mut().zip(&rows) {
-            let blk = &row[b];
-            let d = _mm256_broadcastss_ps(f16x2_to_f32(blk.d, [0; 2]));
-            for (k, &xv) in xv.iter().enumerate() {
-                let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load_i8x8(&blk.qs, k)));
-                *acc = _mm256_fmadd_ps(_mm256_mul_ps(q, d), xv, *acc);
-            }
-        }
-    }
-    for (o, acc) in out.iter_mut().zip(acc) {
-        *o = hsum_lanes(acc);
     }
 }
 

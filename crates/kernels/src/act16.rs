@@ -1,0 +1,411 @@
+//! 16-bit activations: the fast path's order ("F2") for Q4_1 and Q8_0 weights,
+//! the formats of the default model.
+//!
+//! Each activation row is rounded per block of 32 to 16-bit integers, `x ≈ s·q`
+//! with `s = amax / 32767`: an error of at most 1/65534 of the block's largest
+//! magnitude, finer than an f16's rounding for all but the block's smallest
+//! values (8-bit activations, what llama.cpp uses, are 258 times coarser). That
+//! turns the dot product with a 4- or 8-bit weight block into integer
+//! multiply-adds (`vpmaddwd`), about a third of the instructions of decoding the
+//! weights to f32 (order F1 of [`crate::fast`]), which is what bounds decode on
+//! AVX2.
+//!
+//! The order, for one weight row against one activation row, block `b` holding
+//! weight quants `w[j]` (Q4_1 nibbles 0..=15, Q8_0 bytes) and activation quants
+//! `x[j]`, `j` in `0..32`:
+//! 1. Eight exact integer lane sums: lane `l` is `Σ w[j]·x[j]` over
+//!    `j` in `4l..4l+4` (the pairs `vpmaddwd` forms over the block's even and
+//!    odd elements, then added).
+//! 2. `c = d_b·s_b` (one rounding), then `acc[l] = fma(lane l as f32, c, acc[l])`
+//!    for the blocks in order. Each lane sum is exact in f32 (|sum| <= 2^24).
+//! 3. Q4_1 only (`w = d·q + m`): `macc[b % 8] = fma(m_b, σ_b, macc[b % 8])` with
+//!    `σ_b = s_b·Σx[j]` (formed when the activations are quantized), the blocks
+//!    padded to a multiple of eight with `m = σ = 0`; then `acc[l] += macc[l]`.
+//! 4. The lane reduction of [`crate::f32`] (`reduce_lanes`).
+//!
+//! A block holding an infinity or NaN gets `s = NaN`, so the result is NaN as it
+//! would be in f32; its quants are unspecified. The batched product applies the
+//! same order to every (row, token) pair, so a batch gives bit for bit what the
+//! tokens one at a time give. The AVX2 versions (`x86/avx2.rs`) are tested equal
+//! to these references bit for bit (`tier_parity.rs`).
+
+use crate::f16::fp16_to_fp32;
+use crate::f32::reduce_lanes;
+use crate::q4_1::BlockQ4_1;
+use crate::q8_0::BlockQ8_0;
+
+/// Elements per activation block.
+pub const QK_ACT16: usize = 32;
+/// The largest quant: `s = amax / ACT16_MAX`.
+pub const ACT16_MAX: f32 = 32767.0;
+const LANES: usize = 8;
+
+/// Activation rows of `n` elements rounded to 16-bit blocks, as the fast path's
+/// Q4_1 and Q8_0 products take them. Reuse one for every call: refilling does not
+/// allocate once capacity suffices.
+#[derive(Clone, Debug, Default)]
+pub struct Act16 {
+    n: usize,
+    rows: usize,
+    q: Vec<i16>,
+    /// Per row [`Self::stride`] values: the blocks' `s`, then zeros.
+    scale: Vec<f32>,
+    /// Per row [`Self::stride`] values: the blocks' `σ = s·Σq`, then zeros.
+    sum: Vec<f32>,
+}
+
+/// One row of [`Act16`]: `q` holds `32·nb` quants; `scale` and `sum` hold the
+/// `nb` blocks' values padded with zeros to a multiple of eight.
+#[derive(Clone, Copy, Debug)]
+pub struct Act16Row<'a> {
+    pub(crate) q: &'a [i16],
+    pub(crate) scale: &'a [f32],
+    pub(crate) sum: &'a [f32],
+}
+
+impl Act16Row<'_> {
+    /// Blocks in the row.
+    pub fn blocks(&self) -> usize {
+        self.q.len() / QK_ACT16
+    }
+}
+
+impl Act16 {
+    /// Rounds `x`, holding `x.len() / n` rows of `n` elements.
+    ///
+    /// # Panics
+    /// If `n` is 0 or not a multiple of [`QK_ACT16`], or `x` is not whole rows:
+    /// model shapes are validated at load, so this is a caller's bug.
+    pub fn quantize(&mut self, x: &[f32], n: usize) {
+        assert!(
+            n > 0 && n.is_multiple_of(QK_ACT16) && x.len().is_multiple_of(n),
+            "act16: {} values in rows of {n}",
+            x.len()
+        );
+        let (rows, nb) = (x.len() / n, n / QK_ACT16);
+        let stride = nb.next_multiple_of(LANES);
+        self.q.resize(x.len(), 0);
+        for v in [&mut self.scale, &mut self.sum] {
+            v.clear();
+            v.resize(rows * stride, 0.0);
+        }
+        for (((xr, qr), sr), gr) in x
+            .chunks_exact(n)
+            .zip(self.q.chunks_exact_mut(n))
+            .zip(self.scale.chunks_exact_mut(stride))
+            .zip(self.sum.chunks_exact_mut(stride))
+        {
+            quantize_row(xr, qr, &mut sr[..nb], &mut gr[..nb]);
+        }
+        (self.n, self.rows) = (n, rows);
+    }
+
+    /// Row length in elements (0 before the first fill).
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Rows held.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Row `t`.
+    ///
+    /// # Panics
+    /// If `t >= self.rows()`.
+    pub fn row(&self, t: usize) -> Act16Row<'_> {
+        assert!(t < self.rows, "act16 row {t} of {}", self.rows);
+        let stride = (self.n / QK_ACT16).next_multiple_of(LANES);
+        Act16Row {
+            q: &self.q[t * self.n..(t + 1) * self.n],
+            scale: &self.scale[t * stride..(t + 1) * stride],
+            sum: &self.sum[t * stride..(t + 1) * stride],
+        }
+    }
+}
+
+#[cfg(test)]
+impl Act16 {
+    /// Rows of `n` elements holding the given stored quants and each block's
+    /// scale and sum (`q.len() / 32` of each, unpadded).
+    pub(crate) fn from_parts(n: usize, q: Vec<i16>, scale: &[f32], sum: &[f32]) -> Self {
+        let (rows, nb) = (q.len() / n, n / QK_ACT16);
+        let stride = nb.next_multiple_of(LANES);
+        let pad = |v: &[f32]| {
+            let mut out = vec![0.0; rows * stride];
+            for (o, v) in out.chunks_exact_mut(stride).zip(v.chunks_exact(nb)) {
+                o[..nb].copy_from_slice(v);
+            }
+            out
+        };
+        Self {
+            n,
+            rows,
+            scale: pad(scale),
+            sum: pad(sum),
+            q,
+        }
+    }
+}
+
+/// Rounds whole blocks of `x` (see the module docs): `q` gets the quants,
+/// `scale[b]` and `sum[b]` block `b`'s `s` and `σ`. Scalar reference.
+///
+/// # Panics
+/// If `x` is not whole blocks or the outputs do not match it.
+pub fn quantize_row_ref(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
+    check_quantize(x.len(), q.len(), scale.len(), sum.len());
+    for (((xb, qb), s), sigma) in x
+        .chunks_exact(QK_ACT16)
+        .zip(q.chunks_exact_mut(QK_ACT16))
+        .zip(scale)
+        .zip(sum)
+    {
+        // `max` skips NaN; the `v·0` terms turn any infinity or NaN into a NaN `s`
+        // (and are +0 or -0 otherwise, which leave the +0 start at +0).
+        let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let non_finite = xb.iter().fold(0.0f32, |a, v| a + v * 0.0);
+        let inv = if amax > 0.0 { ACT16_MAX / amax } else { 0.0 };
+        let mut total = 0i32;
+        for (j, &v) in xb.iter().enumerate() {
+            let qv = (v * inv).round_ties_even().clamp(-32768.0, 32767.0) as i16;
+            qb[stored_index(j)] = qv;
+            total += i32::from(qv);
+        }
+        *s = amax / ACT16_MAX + non_finite;
+        *sigma = *s * total as f32;
+    }
+}
+
+/// Where element `j` of a block is stored: the even elements, then the odd ones,
+/// which is the order the AVX2 kernel widens weight quants in without crossing
+/// 128-bit lanes.
+pub(crate) fn stored_index(j: usize) -> usize {
+    j / 2 + (j % 2) * (QK_ACT16 / 2)
+}
+
+/// [`quantize_row_ref`] by the selected tier.
+pub fn quantize_row(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
+    (crate::kernels().quantize_act16)(x, q, scale, sum)
+}
+
+pub(crate) fn check_quantize(x: usize, q: usize, scale: usize, sum: usize) {
+    assert!(
+        x.is_multiple_of(QK_ACT16) && q == x && scale == x / QK_ACT16 && sum == scale,
+        "act16 quantize: {x} values, {q} quants, {scale} scales, {sum} sums"
+    );
+}
+
+/// A weight block in order F2's terms: its 32 quants in element order, `d`, and
+/// `m` for formats with a minimum.
+trait Block16 {
+    const HAS_MIN: bool;
+    fn quants(&self) -> [i32; QK_ACT16];
+    fn scale(&self) -> f32;
+    fn min(&self) -> f32;
+}
+
+impl Block16 for BlockQ4_1 {
+    const HAS_MIN: bool = true;
+    fn quants(&self) -> [i32; QK_ACT16] {
+        std::array::from_fn(|j| {
+            let byte = self.qs[j % 16];
+            i32::from(if j < 16 { byte & 0x0F } else { byte >> 4 })
+        })
+    }
+    fn scale(&self) -> f32 {
+        fp16_to_fp32(self.d)
+    }
+    fn min(&self) -> f32 {
+        fp16_to_fp32(self.m)
+    }
+}
+
+impl Block16 for BlockQ8_0 {
+    const HAS_MIN: bool = false;
+    fn quants(&self) -> [i32; QK_ACT16] {
+        self.qs.map(i32::from)
+    }
+    fn scale(&self) -> f32 {
+        fp16_to_fp32(self.d)
+    }
+    fn min(&self) -> f32 {
+        0.0
+    }
+}
+
+/// One row against one activation row in order F2.
+fn dot_ref<B: Block16>(row: &[B], a: Act16Row<'_>) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let mut macc = [0.0f32; LANES];
+    for (b, (blk, x)) in row.iter().zip(a.q.chunks_exact(QK_ACT16)).enumerate() {
+        let w = blk.quants();
+        let c = blk.scale() * a.scale[b];
+        for (l, acc) in acc.iter_mut().enumerate() {
+            let p: i32 = (4 * l..4 * l + 4)
+                .map(|j| w[j] * i32::from(x[stored_index(j)]))
+                .sum();
+            *acc = (p as f32).mul_add(c, *acc);
+        }
+        if B::HAS_MIN {
+            macc[b % LANES] = blk.min().mul_add(a.sum[b], macc[b % LANES]);
+        }
+    }
+    if B::HAS_MIN {
+        for b in row.len()..row.len().next_multiple_of(LANES) {
+            macc[b % LANES] = 0.0f32.mul_add(0.0, macc[b % LANES]);
+        }
+        for (acc, m) in acc.iter_mut().zip(macc) {
+            *acc += m;
+        }
+    }
+    reduce_lanes(&acc)
+}
+
+/// `out[t·n_rows + r]` = row `r` of `w` (rows of `acts.n()` elements, back to back)
+/// against row `t` of `acts`, in order F2; `n_rows = w.len() / blocks per row`.
+/// Scalar reference.
+///
+/// # Panics
+/// If `w` is not whole rows or `out` is not `n_rows · acts.rows()` values.
+pub fn gemm_q4_1_ref(w: &[BlockQ4_1], acts: &Act16, out: &mut [f32]) {
+    gemm_ref(w, acts, out)
+}
+
+/// [`gemm_q4_1_ref`] for Q8_0 rows.
+///
+/// # Panics
+/// As [`gemm_q4_1_ref`].
+pub fn gemm_q8_0_ref(w: &[BlockQ8_0], acts: &Act16, out: &mut [f32]) {
+    gemm_ref(w, acts, out)
+}
+
+fn gemm_ref<B: Block16>(w: &[B], acts: &Act16, out: &mut [f32]) {
+    let (nb, n_rows) = check_gemm(w.len(), acts, out.len());
+    for (t, ot) in out.chunks_exact_mut(n_rows.max(1)).enumerate() {
+        for (row, o) in w.chunks_exact(nb).zip(ot) {
+            *o = dot_ref(row, acts.row(t));
+        }
+    }
+}
+
+/// Checks a product's shapes; returns (blocks per row, rows).
+pub(crate) fn check_gemm(w_blocks: usize, acts: &Act16, out: usize) -> (usize, usize) {
+    let nb = acts.n() / QK_ACT16;
+    assert!(
+        nb > 0 && w_blocks.is_multiple_of(nb) && out == w_blocks / nb * acts.rows(),
+        "act16 product: {w_blocks} weight blocks, rows of {} blocks, {} tokens, {out} outputs",
+        nb,
+        acts.rows()
+    );
+    (nb, w_blocks / nb)
+}
+
+/// [`gemm_q4_1_ref`] by the selected tier.
+#[inline]
+pub fn gemm_q4_1(w: &[BlockQ4_1], acts: &Act16, out: &mut [f32]) {
+    (crate::kernels().gemm_q4_1_act16)(w, acts, out)
+}
+
+/// [`gemm_q8_0_ref`] by the selected tier.
+#[inline]
+pub fn gemm_q8_0(w: &[BlockQ8_0], acts: &Act16, out: &mut [f32]) {
+    (crate::kernels().gemm_q8_0_act16)(w, acts, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{dot_f64, XorShift};
+
+    fn quantized(x: &[f32], n: usize) -> Act16 {
+        let mut a = Act16::default();
+        a.quantize(x, n);
+        a
+    }
+
+    #[test]
+    fn quantization_is_within_half_a_step_and_sums_its_quants() {
+        let mut rng = XorShift::new(21);
+        let mut x = rng.vec_uniform(32 * 5, -3.0, 3.0);
+        x[40] = 250.0; // an outlier only coarsens its own block
+        x[64..96].fill(0.0);
+        let a = quantized(&x, 32 * 5);
+        let row = a.row(0);
+        assert_eq!(row.scale.len(), 8);
+        assert_eq!(&row.scale[5..], &[0.0; 3]);
+        for (b, xb) in x.chunks_exact(32).enumerate() {
+            let s = row.scale[b];
+            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            assert_eq!(s, amax / ACT16_MAX);
+            let qb = &row.q[32 * b..32 * b + 32];
+            for (j, &v) in xb.iter().enumerate() {
+                let q = qb[stored_index(j)];
+                assert!((q as f32 * s - v).abs() <= 0.51 * s, "{q}·{s} vs {v}");
+            }
+            let total: i32 = qb.iter().map(|&q| i32::from(q)).sum();
+            assert_eq!(row.sum[b], s * total as f32);
+        }
+        assert!(row.q[64..96].iter().all(|&q| q == 0));
+    }
+
+    #[test]
+    fn non_finite_activations_give_nan() {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut x = vec![0.5f32; 64];
+            x[37] = bad;
+            let a = quantized(&x, 64);
+            assert!(a.row(0).scale[0].is_finite() && a.row(0).scale[1].is_nan());
+            let w = vec![
+                BlockQ8_0 {
+                    d: [0, 0x3c],
+                    qs: [1; 32]
+                };
+                2
+            ];
+            let mut out = [0.0];
+            gemm_q8_0_ref(&w, &a, &mut out);
+            assert!(out[0].is_nan(), "{bad}: {}", out[0]);
+        }
+    }
+
+    #[test]
+    fn q4_1_and_q8_0_products_are_close_to_f64() {
+        let mut rng = XorShift::new(22);
+        let (n, rows, toks) = (32 * 18, 3, 2);
+        let wf = rng.vec_weights(n * rows, 0.05);
+        let x = rng.vec_uniform(n * toks, -2.0, 2.0);
+        let a = quantized(&x, n);
+        let mut q4 = vec![
+            BlockQ4_1 {
+                d: [0; 2],
+                m: [0; 2],
+                qs: [0; 16]
+            };
+            wf.len() / 32
+        ];
+        crate::q4_1::quantize_row_ref(&wf, &mut q4);
+        let mut q8 = vec![BlockQ8_0::ZERO; wf.len() / 32];
+        crate::q8_0::quantize_row_ref(&wf, &mut q8);
+        let (mut o4, mut o8) = (vec![0.0; rows * toks], vec![0.0; rows * toks]);
+        gemm_q4_1_ref(&q4, &a, &mut o4);
+        gemm_q8_0_ref(&q8, &a, &mut o8);
+        let mut wd = vec![0.0; wf.len()];
+        for (fmt_out, deq) in [(&o4, 0), (&o8, 1)] {
+            if deq == 0 {
+                crate::q4_1::dequantize_row(&q4, &mut wd);
+            } else {
+                crate::q8_0::dequantize_row(&q8, &mut wd);
+            }
+            for t in 0..toks {
+                for r in 0..rows {
+                    let (wr, xt) = (&wd[r * n..(r + 1) * n], &x[t * n..(t + 1) * n]);
+                    let scale: f64 = wr.iter().zip(xt).map(|(a, b)| (a * b).abs() as f64).sum();
+                    let err = (fmt_out[t * rows + r] as f64 - dot_f64(wr, xt)).abs();
+                    assert!(err <= 1e-4 * scale, "t={t} r={r}: err {err} of {scale}");
+                }
+            }
+        }
+    }
+}
