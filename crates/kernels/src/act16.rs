@@ -391,18 +391,15 @@ mod tests {
         let (mut o4, mut o8) = (vec![0.0; rows * toks], vec![0.0; rows * toks]);
         gemm_q4_1_ref(&q4, &a, &mut o4);
         gemm_q8_0_ref(&q8, &a, &mut o8);
-        let mut wd = vec![0.0; wf.len()];
-        for (fmt_out, deq) in [(&o4, 0), (&o8, 1)] {
-            if deq == 0 {
-                crate::q4_1::dequantize_row(&q4, &mut wd);
-            } else {
-                crate::q8_0::dequantize_row(&q8, &mut wd);
-            }
+        let (mut d4, mut d8) = (vec![0.0; wf.len()], vec![0.0; wf.len()]);
+        crate::q4_1::dequantize_row(&q4, &mut d4);
+        crate::q8_0::dequantize_row(&q8, &mut d8);
+        for (out, wd) in [(&o4, &d4), (&o8, &d8)] {
             for t in 0..toks {
                 for r in 0..rows {
                     let (wr, xt) = (&wd[r * n..(r + 1) * n], &x[t * n..(t + 1) * n]);
                     let scale: f64 = wr.iter().zip(xt).map(|(a, b)| (a * b).abs() as f64).sum();
-                    let err = (fmt_out[t * rows + r] as f64 - dot_f64(wr, xt)).abs();
+                    let err = (out[t * rows + r] as f64 - dot_f64(wr, xt)).abs();
                     assert!(err <= 1e-4 * scale, "t={t} r={r}: err {err} of {scale}");
                 }
             }
