@@ -48,9 +48,9 @@ pub struct Act16 {
     n: usize,
     rows: usize,
     q: Vec<i16>,
-    /// Per row [`Self::stride`] values: the blocks' `s`, then zeros.
+    /// Per row [`stride`] values: the blocks' `s`, then zeros.
     scale: Vec<f32>,
-    /// Per row [`Self::stride`] values: the blocks' `σ = s·Σq`, then zeros.
+    /// Per row [`stride`] values: the blocks' `σ = s·Σq`, then zeros.
     sum: Vec<f32>,
 }
 
@@ -63,11 +63,10 @@ pub struct Act16Row<'a> {
     pub(crate) sum: &'a [f32],
 }
 
-impl Act16Row<'_> {
-    /// Blocks in the row.
-    pub fn blocks(&self) -> usize {
-        self.q.len() / QK_ACT16
-    }
+/// Scales and sums kept per activation row of `n` elements: one per block, padded
+/// to whole chunks of eight so that kernels load them eight at a time.
+fn stride(n: usize) -> usize {
+    (n / QK_ACT16).next_multiple_of(LANES)
 }
 
 impl Act16 {
@@ -82,8 +81,7 @@ impl Act16 {
             "act16: {} values in rows of {n}",
             x.len()
         );
-        let (rows, nb) = (x.len() / n, n / QK_ACT16);
-        let stride = nb.next_multiple_of(LANES);
+        let (rows, nb, stride) = (x.len() / n, n / QK_ACT16, stride(n));
         self.q.resize(x.len(), 0);
         for v in [&mut self.scale, &mut self.sum] {
             v.clear();
@@ -116,7 +114,7 @@ impl Act16 {
     /// If `t >= self.rows()`.
     pub fn row(&self, t: usize) -> Act16Row<'_> {
         assert!(t < self.rows, "act16 row {t} of {}", self.rows);
-        let stride = (self.n / QK_ACT16).next_multiple_of(LANES);
+        let stride = stride(self.n);
         Act16Row {
             q: &self.q[t * self.n..(t + 1) * self.n],
             scale: &self.scale[t * stride..(t + 1) * stride],
@@ -130,8 +128,7 @@ impl Act16 {
     /// Rows of `n` elements holding the given stored quants and each block's
     /// scale and sum (`q.len() / 32` of each, unpadded).
     pub(crate) fn from_parts(n: usize, q: Vec<i16>, scale: &[f32], sum: &[f32]) -> Self {
-        let (rows, nb) = (q.len() / n, n / QK_ACT16);
-        let stride = nb.next_multiple_of(LANES);
+        let (rows, nb, stride) = (q.len() / n, n / QK_ACT16, stride(n));
         let pad = |v: &[f32]| {
             let mut out = vec![0.0; rows * stride];
             for (o, v) in out.chunks_exact_mut(stride).zip(v.chunks_exact(nb)) {

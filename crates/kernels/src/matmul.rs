@@ -74,7 +74,7 @@ const ROW_BLOCK: usize = 64;
 
 /// `out[t * n_out + r] = w.row(r) · act.row(t)` for every token `t` of `act`, with
 /// activations already converted to `w.fmt.activation_format()`: each value is
-/// exactly [`vec_dot`] of its row and token, however many threads and tokens.
+/// exactly [`crate::vec_dot`] of its row and token, however many threads and tokens.
 /// Several tokens against Q4_1 rows go through the batched
 /// [`crate::q8_matvec::gemm_q4_1_q8_0`] (weights unpacked once for all tokens);
 /// otherwise blocks of [`ROW_BLOCK`] rows meet every token.
@@ -450,13 +450,13 @@ mod tests {
             for t in 0..n_tok {
                 let xt = &x[t * n_in..(t + 1) * n_in];
                 // Order F2's rounding moves each activation by at most half a step
-                // of its block (amax / 32767).
+                // of its block (amax / ACT16_MAX).
                 let half_step: Vec<f64> = xt
                     .chunks_exact(32)
                     .flat_map(|b| {
                         let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
                         let h = if uses_act16(fmt) {
-                            0.51 * amax / 32767.0
+                            0.51 * amax / crate::act16::ACT16_MAX as f64
                         } else {
                             0.0
                         };

@@ -55,8 +55,8 @@ pub(super) static KERNELS: Kernels = Kernels {
     attn_group_f16: attn_group_checked::<u16>,
     widen_f16,
     quantize_act16,
-    gemm_q4_1_act16,
-    gemm_q8_0_act16,
+    gemm_q4_1_act16: gemm_act16::<BlockQ4_1>,
+    gemm_q8_0_act16: gemm_act16::<BlockQ8_0>,
 };
 
 // Table entries: the length checks the scalar references make, then the call.
@@ -125,15 +125,10 @@ fn quantize_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) 
     unsafe { quant_act16(x, q, scale, sum) }
 }
 
-fn gemm_q4_1_act16(w: &[BlockQ4_1], acts: &crate::act16::Act16, out: &mut [f32]) {
+/// [`crate::act16::gemm_q4_1_ref`] and [`crate::act16::gemm_q8_0_ref`].
+fn gemm_act16<B: Block16>(w: &[B], acts: &crate::act16::Act16, out: &mut [f32]) {
     let (nb, n_rows) = crate::act16::check_gemm(w.len(), acts, out.len());
     // SAFETY: see above; the shapes were checked, as `gem16` requires.
-    unsafe { gem16(w, nb, n_rows, acts, out) }
-}
-
-fn gemm_q8_0_act16(w: &[BlockQ8_0], acts: &crate::act16::Act16, out: &mut [f32]) {
-    let (nb, n_rows) = crate::act16::check_gemm(w.len(), acts, out.len());
-    // SAFETY: as above.
     unsafe { gem16(w, nb, n_rows, acts, out) }
 }
 
@@ -670,25 +665,8 @@ fn unpack_q4_1_chunk(xc: &[BlockQ4_1]) -> Q4_1Chunk {
             _mm256_and_si256(_mm256_srli_epi16::<4>(q), low),
         ];
     }
-    // A full chunk's heads by one `vpgatherdd`: here, unlike in `gather_head`'s
-    // callers, it measured ~3% faster on Q8 decode.
-    let head = if xc.len() == 8 {
-        // SAFETY: the 8 blocks are 8·20 readable bytes, and lane i reads the 4
-        // head bytes of block i at byte offset 20·i.
-        unsafe {
-            _mm256_i32gather_epi32::<1>(
-                xc.as_ptr().cast(),
-                _mm256_setr_epi32(0, 20, 40, 60, 80, 100, 120, 140),
-            )
-        }
-    } else {
-        gather_head(xc)
-    };
-    Q4_1Chunk {
-        nibbles,
-        d: f16_lo(head),
-        m: f16_hi(head),
-    }
+    let [d, m] = chunk_scales(xc);
+    Q4_1Chunk { nibbles, d, m }
 }
 
 /// The float terms `(dx·dy)·sumi + m·s` of the `2·n_pairs` (at most eight)
