@@ -1,5 +1,6 @@
 //! A persistent thread pool for the forward pass. Each `run` hands the same closure
-//! to every thread with its index; the caller partitions the work by that index.
+//! to every thread with its index; `run_dynamic` hands out numbered units of work
+//! to whichever thread is free.
 //!
 //! Tuned for decode, where one token issues hundreds of short matvecs: workers spin
 //! briefly on an epoch counter before parking on a condvar, and dispatch takes no lock
@@ -120,8 +121,27 @@ impl ThreadPool {
 }
 
 impl ThreadPool {
+    /// Calls `f(unit)` once for every unit in `0..n_units`, each thread taking the
+    /// next unit from a shared counter whenever it is free. Units of uneven cost, or
+    /// a thread the OS (or a hypervisor) delays, then leave no other thread idle
+    /// where a fixed split would wait for the slowest share.
+    pub fn run_dynamic(&self, n_units: usize, f: &(dyn Fn(usize) + Sync)) {
+        if self.workers.is_empty() || n_units <= 1 {
+            (0..n_units).for_each(f);
+            return;
+        }
+        let next = AtomicUsize::new(0);
+        self.run(&|_| loop {
+            let unit = next.fetch_add(1, Ordering::Relaxed);
+            if unit >= n_units {
+                break;
+            }
+            f(unit);
+        });
+    }
+
     /// Splits `data` into chunks of `chunk_len` and calls `f(chunk_index, chunk)` for
-    /// each, the chunks shared out to the threads in contiguous runs.
+    /// each, every thread taking the next chunk when it is free ([`Self::run_dynamic`]).
     pub fn for_each_chunk_mut<T: Send>(
         &self,
         data: &mut [T],
@@ -132,22 +152,56 @@ impl ThreadPool {
             chunk_len > 0 && data.len().is_multiple_of(chunk_len),
             "chunking"
         );
-        let n_chunks = data.len() / chunk_len;
         let base = SendPtr(data.as_mut_ptr());
-        let n_threads = self.n_threads();
-        self.run(&|ith| {
-            for c in split_range(n_chunks, ith, n_threads) {
-                // SAFETY: chunk c lies inside `data` (c < n_chunks) and `split_range`
-                // gives each chunk to exactly one thread, so the slices are disjoint;
-                // `run` returns only after every thread is done with them.
-                let chunk = unsafe {
-                    std::slice::from_raw_parts_mut(base.get().add(c * chunk_len), chunk_len)
-                };
-                f(c, chunk);
-            }
+        self.run_dynamic(data.len() / chunk_len, &|c| {
+            // SAFETY: chunk c lies inside `data` (c < n_chunks) and `run_dynamic`
+            // hands each chunk to exactly one call, so the slices are disjoint;
+            // it returns only after every call is done with them.
+            let chunk =
+                unsafe { std::slice::from_raw_parts_mut(base.get().add(c * chunk_len), chunk_len) };
+            f(c, chunk);
         });
     }
 }
+
+impl ThreadPool {
+    /// Calls `f(first_row, rows)` over `data` cut into rows of `row_len`, handed
+    /// out in blocks of whole rows ([`ROW_BLOCKS_PER_THREAD`] blocks per thread, the
+    /// last one possibly shorter). A batch too small to repay a dispatch (fewer
+    /// rows than twice the threads) runs on the calling thread in one call.
+    pub fn for_each_row_block_mut<T: Send>(
+        &self,
+        data: &mut [T],
+        row_len: usize,
+        f: &(dyn Fn(usize, &mut [T]) + Sync),
+    ) {
+        assert!(
+            row_len > 0 && data.len().is_multiple_of(row_len),
+            "row length"
+        );
+        let n_rows = data.len() / row_len;
+        if n_rows < 2 * self.n_threads() {
+            return f(0, data);
+        }
+        let per_block = n_rows.div_ceil(self.n_threads() * ROW_BLOCKS_PER_THREAD);
+        let base = SendPtr(data.as_mut_ptr());
+        self.run_dynamic(n_rows.div_ceil(per_block), &|b| {
+            let first = b * per_block;
+            let rows = per_block.min(n_rows - first);
+            // SAFETY: rows first..first + rows lie inside `data` (first + rows <=
+            // n_rows) and `run_dynamic` hands block b to one call only, so the
+            // slices are disjoint; it returns only after every call is done.
+            let block = unsafe {
+                std::slice::from_raw_parts_mut(base.get().add(first * row_len), rows * row_len)
+            };
+            f(first, block);
+        });
+    }
+}
+
+/// See [`ThreadPool::for_each_row_block_mut`]: a few blocks per thread balance
+/// the load without a dispatch's worth of work per row.
+const ROW_BLOCKS_PER_THREAD: usize = 4;
 
 struct SendPtr<T>(*mut T);
 impl<T> Clone for SendPtr<T> {
@@ -307,6 +361,45 @@ mod tests {
     }
 
     #[test]
+    fn dynamic_units_are_each_run_once() {
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            for n in [0, 1, 2, 7, 100] {
+                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                pool.run_dynamic(n, &|u| {
+                    hits[u].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+            }
+        }
+    }
+
+    /// A thread held up in one unit does not hold up the others: they run the rest
+    /// (a fixed split would leave half the units waiting behind the held one).
+    #[test]
+    fn a_delayed_thread_leaves_its_share_to_the_others() {
+        let pool = ThreadPool::new(2);
+        let others = AtomicUsize::new(0);
+        let all_others_ran = AtomicBool::new(false);
+        pool.run_dynamic(50, &|u| {
+            if u == 0 {
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                while !all_others_ran.load(Ordering::Acquire)
+                    && std::time::Instant::now() < deadline
+                {
+                    std::hint::spin_loop();
+                }
+                assert!(
+                    all_others_ran.load(Ordering::Acquire),
+                    "the other units waited"
+                );
+            } else if others.fetch_add(1, Ordering::Relaxed) == 48 {
+                all_others_ran.store(true, Ordering::Release);
+            }
+        });
+    }
+
+    #[test]
     fn chunks_are_each_visited_once() {
         let pool = ThreadPool::new(3);
         let mut v = vec![0usize; 7 * 4];
@@ -315,6 +408,23 @@ mod tests {
         });
         let want: Vec<usize> = (0..7).flat_map(|c| [c + 1; 4]).collect();
         assert_eq!(v, want);
+    }
+
+    #[test]
+    fn row_blocks_cover_every_row_once() {
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            for n_rows in [0, 1, 5, 6, 7, 64, 101] {
+                let mut v = vec![0usize; n_rows * 3];
+                pool.for_each_row_block_mut(&mut v, 3, &|first, rows| {
+                    for (i, row) in rows.chunks_exact_mut(3).enumerate() {
+                        row.iter_mut().for_each(|x| *x += first + i + 1);
+                    }
+                });
+                let want: Vec<usize> = (0..n_rows).flat_map(|r| [r + 1; 3]).collect();
+                assert_eq!(v, want, "{n_rows} rows on {threads} threads");
+            }
+        }
     }
 
     /// Cost of one empty dispatch (the synchronisation every matvec pays):

@@ -1271,14 +1271,18 @@ fn chunk_scales<B: Block16>(xc: &[B]) -> [__m256; 2] {
     [f16_lo(head), m]
 }
 
-/// Tokens per [`tile16`] in a prefill: one row's widened quants and 8
-/// accumulators fit AVX2's 16 registers with the activations read from memory.
-const TILE16_TOKENS: usize = 8;
+/// The tile of [`tile16`] in a prefill: 2 rows x 6 tokens (12 accumulators, two
+/// rows' widened quants and one token's activations in AVX2's 16 registers).
+/// Measured against 1x8, 2x4, 2x5, 2x7, 2x8, 3x3, 3x4 and 1x12 on Zen 3: 10-40%
+/// faster than the 1x8 it replaced (which loads every activation once per row).
+const TILE16_ROWS: usize = 2;
+const TILE16_TOKENS: usize = 6;
 
 /// [`crate::act16::gemm_q4_1_ref`] and its Q8_0 twin: `n_rows` rows of `nb`
 /// blocks against every row of `acts`. One token: four rows per tile. More:
-/// groups of up to [`TILE16_TOKENS`] tokens, each walking a panel of rows (the tokens'
-/// activations stay in L1 while the rows stream from L2).
+/// groups of up to [`TILE16_TOKENS`] tokens, each walking a panel of rows
+/// [`TILE16_ROWS`] at a time (the tokens' activations stay in L1 while the rows
+/// stream from L2).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn gem16<B: Block16>(
     w: &[B],
@@ -1304,9 +1308,9 @@ fn gem16<B: Block16>(
         }
         return;
     }
-    // Each group of eight tokens keeps its activations in L1 while a panel of
-    // rows streams past from L2; the rows' chunk scales are widened once per
-    // panel, not once per group.
+    // Each group of tokens keeps its activations in L1 while a panel of rows
+    // streams past from L2, two rows at a time; the rows' chunk scales are
+    // widened once per panel, not once per group.
     let panel_rows = (GEMM16_PANEL_CHUNKS / nb.div_ceil(8)).max(1);
     GEMM16_SCALES.with_borrow_mut(|scales| {
         for r0 in (0..n_rows).step_by(panel_rows) {
@@ -1325,9 +1329,7 @@ fn gem16<B: Block16>(
                     t0,
                 };
                 match n_tok - t0 {
-                    8.. => p.tokens::<8>(acts, out),
-                    7 => p.tokens::<7>(acts, out),
-                    6 => p.tokens::<6>(acts, out),
+                    6.. => p.tokens::<6>(acts, out),
                     5 => p.tokens::<5>(acts, out),
                     4 => p.tokens::<4>(acts, out),
                     3 => p.tokens::<3>(acts, out),
@@ -1360,20 +1362,46 @@ struct Panel16<'a, B> {
 }
 
 impl<B: Block16> Panel16<'_, B> {
-    /// Tokens `t0..t0 + T` against the panel's rows, one row per tile.
+    /// Tokens `t0..t0 + T` against the panel's rows, [`TILE16_ROWS`] rows per
+    /// tile (an odd last row alone).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn tokens<const T: usize>(&self, acts: &crate::act16::Act16, out: &mut [f32]) {
-        let (nb, n_chunks) = (self.nb, self.nb.div_ceil(8));
         let mut toks = [acts.row(self.t0); T];
         for (t, tok) in toks.iter_mut().enumerate() {
             *tok = acts.row(self.t0 + t);
         }
-        for (i, r) in self.rows.clone().enumerate() {
-            let scales = &self.scales[i * n_chunks..(i + 1) * n_chunks];
-            let [v] = tile16::<B, 1, T>(&self.w[r * nb..(r + 1) * nb], nb, toks, Some(scales));
-            for (t, x) in v.into_iter().enumerate() {
-                out[(self.t0 + t) * self.n_rows + r] = x;
+        let paired = self.rows.start + self.rows.len() / TILE16_ROWS * TILE16_ROWS;
+        for r in (self.rows.start..paired).step_by(TILE16_ROWS) {
+            let v = self.tile::<TILE16_ROWS, T>(r, toks);
+            self.store(r, &v, out);
+        }
+        for r in paired..self.rows.end {
+            let v = self.tile::<1, T>(r, toks);
+            self.store(r, &v, out);
+        }
+    }
+
+    /// Rows `r..r + R` of the panel against `toks`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn tile<const R: usize, const T: usize>(
+        &self,
+        r: usize,
+        toks: [crate::act16::Act16Row<'_>; T],
+    ) -> [[f32; T]; R] {
+        let (nb, n_chunks) = (self.nb, self.nb.div_ceil(8));
+        let i = r - self.rows.start;
+        let scales = &self.scales[i * n_chunks..(i + R) * n_chunks];
+        tile16::<B, R, T>(&self.w[r * nb..(r + R) * nb], nb, toks, Some(scales))
+    }
+
+    /// Puts the products of rows `r..` for tokens `t0..` in place.
+    #[inline]
+    fn store<const R: usize, const T: usize>(&self, r: usize, v: &[[f32; T]; R], out: &mut [f32]) {
+        for (k, row) in v.iter().enumerate() {
+            for (t, &x) in row.iter().enumerate() {
+                out[(self.t0 + t) * self.n_rows + r + k] = x;
             }
         }
     }
