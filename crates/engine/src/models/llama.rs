@@ -262,7 +262,7 @@ pub(crate) fn forward(
     let stride = state.layer_stride(hp);
     for (il, lw) in w.layers.iter().enumerate() {
         let xn = &mut s.xn[..nt * n_embd];
-        rms_norm(x, &lw.attn_norm, hp.rms_eps, xn);
+        rms_norm_rows(pool, x, &lw.attn_norm, hp.rms_eps, xn);
         let (q, k, v) = (
             &mut s.q[..nt * n_q],
             &mut s.k[..nt * n_kv],
@@ -280,10 +280,13 @@ pub(crate) fn forward(
             ],
             &mut [&mut *q, &mut *k, &mut *v],
         );
-        for t in 0..nt {
-            let a = &s.rope[t * n_pairs..(t + 1) * n_pairs];
-            Rope::rotate(&mut q[t * n_q..(t + 1) * n_q], hd, a);
-            Rope::rotate(&mut k[t * n_kv..(t + 1) * n_kv], hd, a);
+        let angles = &s.rope[..nt * n_pairs];
+        for (rows, n) in [(&mut *q, n_q), (&mut *k, n_kv)] {
+            pool.for_each_row_block_mut(rows, n, &|first, rows| {
+                for (t, row) in (first..).zip(rows.chunks_exact_mut(n)) {
+                    Rope::rotate(row, hd, &angles[t * n_pairs..(t + 1) * n_pairs]);
+                }
+            });
         }
         let att = &mut s.att[..nt * n_q];
         let layer = il * stride..(il + 1) * stride;
@@ -301,11 +304,9 @@ pub(crate) fn forward(
             &[&model.matrix(&lw.wo)],
             &mut [&mut *attn_out],
         );
-        for (xi, &o) in x.iter_mut().zip(attn_out.iter()) {
-            *xi += o;
-        }
+        add_rows(pool, x, attn_out, n_embd);
 
-        rms_norm(x, &lw.ffn_norm, hp.rms_eps, xn);
+        rms_norm_rows(pool, x, &lw.ffn_norm, hp.rms_eps, xn);
         let (gate, up) = (&mut s.gate[..nt * hp.n_ff], &mut s.up[..nt * hp.n_ff]);
         project(
             pool,
@@ -315,7 +316,10 @@ pub(crate) fn forward(
             &[&model.matrix(&lw.w_gate), &model.matrix(&lw.w_up)],
             &mut [&mut *gate, &mut *up],
         );
-        swiglu(gate, up);
+        let up = &*up;
+        pool.for_each_row_block_mut(gate, hp.n_ff, &|first, rows| {
+            swiglu(rows, &up[first * hp.n_ff..][..rows.len()]);
+        });
         let ffn_out = &mut s.ffn_out[..nt * n_embd];
         project(
             pool,
@@ -325,9 +329,7 @@ pub(crate) fn forward(
             &[&model.matrix(&lw.w_down)],
             &mut [&mut *ffn_out],
         );
-        for (xi, &o) in x.iter_mut().zip(ffn_out.iter()) {
-            *xi += o;
-        }
+        add_rows(pool, x, ffn_out, n_embd);
     }
 
     let last = &x[(nt - 1) * n_embd..nt * n_embd];
@@ -341,6 +343,24 @@ pub(crate) fn forward(
         &[&model.matrix(&w.output)],
         &mut [logits],
     );
+}
+
+/// [`rms_norm`] of each token's row of `x` into `out`, the rows shared out to the
+/// pool (each row's arithmetic is the same wherever it runs).
+fn rms_norm_rows(pool: &ThreadPool, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
+    pool.for_each_row_block_mut(out, n, &|first, rows| {
+        rms_norm(&x[first * n..][..rows.len()], w, eps, rows);
+    });
+}
+
+/// `x += y`, rows of `n` shared out to the pool.
+fn add_rows(pool: &ThreadPool, x: &mut [f32], y: &[f32], n: usize) {
+    pool.for_each_row_block_mut(x, n, &|first, rows| {
+        for (xi, &yi) in rows.iter_mut().zip(&y[first * n..]) {
+            *xi += yi;
+        }
+    });
 }
 
 /// Stores the new K/V rows of positions `pos0..` into one layer's cache (rounded to
