@@ -1185,7 +1185,7 @@ fn quant_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
 fn tile16<B: Block16, const R: usize, const T: usize>(
     group: &[B],
     nb: usize,
-    toks: [crate::act16::Act16Row<'_>; T],
+    toks: &[crate::act16::Act16Row<'_>; T],
     scales: Option<&[[__m256; 2]]>,
 ) -> [[f32; T]; R] {
     let mut rows: [&[B]; R] = [&[]; R];
@@ -1299,12 +1299,12 @@ fn gem16<B: Block16>(
             .chunks_exact(4 * nb)
             .zip(out.chunks_exact_mut(4))
         {
-            for (o, v) in o.iter_mut().zip(tile16::<B, 4, 1>(g, nb, [a], None)) {
+            for (o, v) in o.iter_mut().zip(tile16::<B, 4, 1>(g, nb, &[a], None)) {
                 *o = v[0];
             }
         }
         for (r, o) in (full..n_rows).zip(&mut out[full..]) {
-            *o = tile16::<B, 1, 1>(&w[r * nb..(r + 1) * nb], nb, [a], None)[0][0];
+            *o = tile16::<B, 1, 1>(&w[r * nb..(r + 1) * nb], nb, &[a], None)[0][0];
         }
         return;
     }
@@ -1373,11 +1373,11 @@ impl<B: Block16> Panel16<'_, B> {
         }
         let paired = self.rows.start + self.rows.len() / TILE16_ROWS * TILE16_ROWS;
         for r in (self.rows.start..paired).step_by(TILE16_ROWS) {
-            let v = self.tile::<TILE16_ROWS, T>(r, toks);
+            let v = self.tile::<TILE16_ROWS, T>(r, &toks);
             self.store(r, &v, out);
         }
         for r in paired..self.rows.end {
-            let v = self.tile::<1, T>(r, toks);
+            let v = self.tile::<1, T>(r, &toks);
             self.store(r, &v, out);
         }
     }
@@ -1388,7 +1388,7 @@ impl<B: Block16> Panel16<'_, B> {
     fn tile<const R: usize, const T: usize>(
         &self,
         r: usize,
-        toks: [crate::act16::Act16Row<'_>; T],
+        toks: &[crate::act16::Act16Row<'_>; T],
     ) -> [[f32; T]; R] {
         let (nb, n_chunks) = (self.nb, self.nb.div_ceil(8));
         let i = r - self.rows.start;
