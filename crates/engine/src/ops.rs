@@ -39,6 +39,24 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// [`rms_norm`] of each token's row of `x` into `out`, the rows shared out to the
+/// pool (each row's arithmetic is the same wherever it runs).
+pub fn rms_norm_rows(pool: &ThreadPool, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
+    pool.for_each_row_block_mut(out, n, &|first, rows| {
+        rms_norm(&x[first * n..][..rows.len()], w, eps, rows);
+    });
+}
+
+/// `x += y`, rows of `n` shared out to the pool.
+pub fn add_rows(pool: &ThreadPool, x: &mut [f32], y: &[f32], n: usize) {
+    pool.for_each_row_block_mut(x, n, &|first, rows| {
+        for (xi, &yi) in rows.iter_mut().zip(&y[first * n..]) {
+            *xi += yi;
+        }
+    });
+}
+
 /// Rotary position embedding tables: `inv_freq[i] = base^(-2i / n_rot)`.
 pub struct Rope {
     inv_freq: Vec<f64>,

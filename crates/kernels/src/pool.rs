@@ -118,9 +118,7 @@ impl ThreadPool {
             panic!("a thread-pool worker panicked");
         }
     }
-}
 
-impl ThreadPool {
     /// Calls `f(unit)` once for every unit in `0..n_units`, each thread taking the
     /// next unit from a shared counter whenever it is free. Units of uneven cost, or
     /// a thread the OS (or a hypervisor) delays, then leave no other thread idle
@@ -152,19 +150,9 @@ impl ThreadPool {
             chunk_len > 0 && data.len().is_multiple_of(chunk_len),
             "chunking"
         );
-        let base = SendPtr(data.as_mut_ptr());
-        self.run_dynamic(data.len() / chunk_len, &|c| {
-            // SAFETY: chunk c lies inside `data` (c < n_chunks) and `run_dynamic`
-            // hands each chunk to exactly one call, so the slices are disjoint;
-            // it returns only after every call is done with them.
-            let chunk =
-                unsafe { std::slice::from_raw_parts_mut(base.get().add(c * chunk_len), chunk_len) };
-            f(c, chunk);
-        });
+        self.for_each_block_mut(data, chunk_len, f);
     }
-}
 
-impl ThreadPool {
     /// Calls `f(first_row, rows)` over `data` cut into rows of `row_len`, handed
     /// out in blocks of whole rows ([`ROW_BLOCKS_PER_THREAD`] blocks per thread, the
     /// last one possibly shorter). A batch too small to repay a dispatch (fewer
@@ -184,17 +172,30 @@ impl ThreadPool {
             return f(0, data);
         }
         let per_block = n_rows.div_ceil(self.n_threads() * ROW_BLOCKS_PER_THREAD);
+        self.for_each_block_mut(data, per_block * row_len, &|b, block| {
+            f(b * per_block, block)
+        });
+    }
+
+    /// Calls `f(b, block)` for the consecutive blocks of `block_len` elements of
+    /// `data` (the last one possibly shorter), through [`Self::run_dynamic`].
+    fn for_each_block_mut<T: Send>(
+        &self,
+        data: &mut [T],
+        block_len: usize,
+        f: &(dyn Fn(usize, &mut [T]) + Sync),
+    ) {
+        let len = data.len();
         let base = SendPtr(data.as_mut_ptr());
-        self.run_dynamic(n_rows.div_ceil(per_block), &|b| {
-            let first = b * per_block;
-            let rows = per_block.min(n_rows - first);
-            // SAFETY: rows first..first + rows lie inside `data` (first + rows <=
-            // n_rows) and `run_dynamic` hands block b to one call only, so the
+        self.run_dynamic(len.div_ceil(block_len), &|b| {
+            let start = b * block_len;
+            // SAFETY: block b lies inside `data` (start < len, and its length is cut
+            // at len) and `run_dynamic` hands each block to exactly one call, so the
             // slices are disjoint; it returns only after every call is done.
             let block = unsafe {
-                std::slice::from_raw_parts_mut(base.get().add(first * row_len), rows * row_len)
+                std::slice::from_raw_parts_mut(base.get().add(start), block_len.min(len - start))
             };
-            f(first, block);
+            f(b, block);
         });
     }
 }

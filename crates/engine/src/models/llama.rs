@@ -15,7 +15,9 @@ use ds4_kernels::pool::ThreadPool;
 
 use crate::error::Result;
 use crate::model::{Binder, HParams, Model, TensorRef};
-use crate::ops::{attention, project, rms_norm, swiglu, Activations, Precision, Rope};
+use crate::ops::{
+    add_rows, attention, project, rms_norm, rms_norm_rows, swiglu, Activations, Precision, Rope,
+};
 use crate::payload;
 use crate::session::KvType;
 
@@ -343,24 +345,6 @@ pub(crate) fn forward(
         &[&model.matrix(&w.output)],
         &mut [logits],
     );
-}
-
-/// [`rms_norm`] of each token's row of `x` into `out`, the rows shared out to the
-/// pool (each row's arithmetic is the same wherever it runs).
-fn rms_norm_rows(pool: &ThreadPool, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let n = w.len();
-    pool.for_each_row_block_mut(out, n, &|first, rows| {
-        rms_norm(&x[first * n..][..rows.len()], w, eps, rows);
-    });
-}
-
-/// `x += y`, rows of `n` shared out to the pool.
-fn add_rows(pool: &ThreadPool, x: &mut [f32], y: &[f32], n: usize) {
-    pool.for_each_row_block_mut(x, n, &|first, rows| {
-        for (xi, &yi) in rows.iter_mut().zip(&y[first * n..]) {
-            *xi += yi;
-        }
-    });
 }
 
 /// Stores the new K/V rows of positions `pos0..` into one layer's cache (rounded to
