@@ -5,6 +5,7 @@
 use std::path::Path;
 
 use ds4_gguf::{Gguf, TensorInfo};
+use ds4_kernels::act16::F2Matrix;
 use ds4_kernels::matmul::WeightMatrix;
 use ds4_kernels::WeightFormat;
 
@@ -120,13 +121,20 @@ pub(crate) struct TensorRef {
     pub n_out: usize,
     pub start: usize,
     pub len: usize,
+    /// Index of its F2 layout (Q4_1 and Q8_0) in the model's packed copies.
+    pub f2: Option<usize>,
 }
 
 /// Checks a tensor's presence, shape and type while binding a family's layout, and
 /// remembers which tensors were bound so leftovers can be reported.
+/// Also packs every Q4_1 and Q8_0 matrix into the layout the fast path runs
+/// ([`WeightMatrix::pack_f2`]): a copy the size of those tensors, so the fast
+/// path never reads the mapped blocks (the other precisions and the embedding
+/// lookup still do).
 pub(crate) struct Binder<'g> {
     g: &'g Gguf,
     bound: Vec<bool>,
+    f2: Vec<F2Matrix>,
 }
 
 impl<'g> Binder<'g> {
@@ -134,6 +142,7 @@ impl<'g> Binder<'g> {
         Binder {
             bound: vec![false; g.tensors.len()],
             g,
+            f2: Vec::new(),
         }
     }
 
@@ -166,12 +175,25 @@ impl<'g> Binder<'g> {
             expected: "a format the kernels support (f32, f16, bf16, q4_0, q4_1, q5_0, q8_0, q4_K, q6_K)",
             found: t.ty.name().into(),
         })?;
+        let (start, len) = ((data_offset + t.offset) as usize, t.n_bytes as usize);
+        let f2 = WeightMatrix::new(fmt, n_in, n_out, &self.g.bytes()[start..start + len])
+            .ok_or_else(|| EngineError::WrongType {
+                name: name.into(),
+                expected: "a type whose blocks divide its rows",
+                found: format!("{} in rows of {n_in}", fmt.name()),
+            })?
+            .pack_f2()
+            .map(|packed| {
+                self.f2.push(packed);
+                self.f2.len() - 1
+            });
         Ok(TensorRef {
             fmt,
             n_in,
             n_out,
-            start: (data_offset + t.offset) as usize,
-            len: t.n_bytes as usize,
+            start,
+            len,
+            f2,
         })
     }
 
@@ -197,14 +219,15 @@ impl<'g> Binder<'g> {
         self.g.tensor_info(name).is_some()
     }
 
-    /// Fails on the first tensor no binding asked for.
-    pub fn finish(self, family: &'static str) -> Result<()> {
+    /// Fails on the first tensor no binding asked for; otherwise hands over the
+    /// packed copies the bound [`TensorRef`]s index.
+    pub fn finish(self, family: &'static str) -> Result<Vec<F2Matrix>> {
         match self.bound.iter().position(|b| !b) {
             Some(i) => Err(EngineError::UnexpectedTensor {
                 name: self.g.tensors[i].name.clone(),
                 family,
             }),
-            None => Ok(()),
+            None => Ok(self.f2),
         }
     }
 }
@@ -264,6 +287,8 @@ pub struct Model {
     pub tokenizer: Tokenizer,
     pub fingerprint: Fingerprint,
     pub(crate) weights: LlamaWeights,
+    /// The fast path's copies of the Q4_1 and Q8_0 matrices ([`TensorRef::f2`]).
+    f2: Vec<F2Matrix>,
 }
 
 impl Model {
@@ -284,7 +309,7 @@ impl Model {
                 ));
             }
         }
-        let weights = LlamaWeights::bind(&gguf, &hparams)?;
+        let (weights, f2) = LlamaWeights::bind(&gguf, &hparams)?;
         let fingerprint = Fingerprint::of(&gguf, &hparams.arch);
         Ok(Model {
             gguf,
@@ -292,6 +317,7 @@ impl Model {
             tokenizer,
             fingerprint,
             weights,
+            f2,
         })
     }
 
@@ -312,6 +338,7 @@ impl Model {
             n_in: t.n_in,
             n_out: t.n_out,
             data: &self.gguf.bytes()[t.start..t.start + t.len],
+            f2: t.f2.map(|i| &self.f2[i]),
         }
     }
 }

@@ -194,17 +194,42 @@ pub(crate) fn check_quantize(x: usize, q: usize, scale: usize, sum: usize) {
     );
 }
 
-/// A weight block in order F2's terms: its 32 quants in element order, `d`, and
-/// `m` for formats with a minimum.
-trait Block16 {
+/// A weight block order F2 runs (Q4_1, Q8_0): its 32 quants in element order,
+/// `d`, `m` for formats with a minimum, and how [`F2Matrix`] stores it.
+pub trait F2Block: bytemuck::Pod + sealed::Sealed {
+    /// Whether the block has a minimum (`m`).
     const HAS_MIN: bool;
+    /// Bytes of quants per block in [`F2Matrix`] (as in the block itself).
+    const QUANT_BYTES: usize;
+    /// Bytes of f16 heads per chunk of eight blocks in [`F2Matrix`]: eight `d`s,
+    /// and with a minimum eight `m`s.
+    const HEAD_BYTES: usize = if Self::HAS_MIN { 32 } else { 16 };
+    #[doc(hidden)]
     fn quants(&self) -> [i32; QK_ACT16];
+    #[doc(hidden)]
     fn scale(&self) -> f32;
+    #[doc(hidden)]
     fn min(&self) -> f32;
+    /// The f16 `d` and `m` (zeros without a minimum) as stored.
+    #[doc(hidden)]
+    fn heads(&self) -> ([u8; 2], [u8; 2]);
+    /// The stored quant bytes.
+    #[doc(hidden)]
+    fn quant_bytes(&self) -> &[u8];
+    /// The block from its stored parts (`qs` of [`Self::QUANT_BYTES`]).
+    #[doc(hidden)]
+    fn from_parts(d: [u8; 2], m: [u8; 2], qs: &[u8]) -> Self;
 }
 
-impl Block16 for BlockQ4_1 {
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for crate::q4_1::BlockQ4_1 {}
+    impl Sealed for crate::q8_0::BlockQ8_0 {}
+}
+
+impl F2Block for BlockQ4_1 {
     const HAS_MIN: bool = true;
+    const QUANT_BYTES: usize = 16;
     fn quants(&self) -> [i32; QK_ACT16] {
         std::array::from_fn(|j| {
             let byte = self.qs[j % 16];
@@ -217,10 +242,22 @@ impl Block16 for BlockQ4_1 {
     fn min(&self) -> f32 {
         fp16_to_fp32(self.m)
     }
+    fn heads(&self) -> ([u8; 2], [u8; 2]) {
+        (self.d, self.m)
+    }
+    fn quant_bytes(&self) -> &[u8] {
+        &self.qs
+    }
+    fn from_parts(d: [u8; 2], m: [u8; 2], qs: &[u8]) -> Self {
+        let mut b = BlockQ4_1 { d, m, qs: [0; 16] };
+        b.qs.copy_from_slice(qs);
+        b
+    }
 }
 
-impl Block16 for BlockQ8_0 {
+impl F2Block for BlockQ8_0 {
     const HAS_MIN: bool = false;
+    const QUANT_BYTES: usize = 32;
     fn quants(&self) -> [i32; QK_ACT16] {
         self.qs.map(i32::from)
     }
@@ -230,13 +267,144 @@ impl Block16 for BlockQ8_0 {
     fn min(&self) -> f32 {
         0.0
     }
+    fn heads(&self) -> ([u8; 2], [u8; 2]) {
+        (self.d, [0; 2])
+    }
+    fn quant_bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.qs)
+    }
+    fn from_parts(d: [u8; 2], _m: [u8; 2], qs: &[u8]) -> Self {
+        let mut b = BlockQ8_0 { d, qs: [0; 32] };
+        b.qs.copy_from_slice(bytemuck::cast_slice(qs));
+        b
+    }
+}
+
+/// Blocks per chunk of [`F2Matrix`] (one 8-lane vector of heads).
+pub(crate) const CHUNK: usize = LANES;
+
+/// A Q4_1 or Q8_0 matrix re-laid for order F2's kernels, built once at load: per
+/// row, per chunk of eight blocks (the last may be shorter), the chunk's eight f16
+/// `d`s, for Q4_1 its eight `m`s, then the chunk's blocks' quants, each as stored
+/// in the block. A chunk's heads are one vector load instead of a gather across
+/// eight blocks (decode measured 1.5x faster). The same bytes as the blocks, plus
+/// zero heads padding a short last chunk.
+#[derive(Clone, Debug)]
+pub struct F2Matrix {
+    has_min: bool,
+    nb: usize,
+    n_rows: usize,
+    bytes: Vec<u8>,
+}
+
+/// Bytes of one row of `nb` blocks of `B` in [`F2Matrix`].
+pub(crate) fn f2_row_bytes<B: F2Block>(nb: usize) -> usize {
+    nb.div_ceil(CHUNK) * B::HEAD_BYTES + nb * B::QUANT_BYTES
+}
+
+impl F2Matrix {
+    /// Re-lays `w`, rows of `nb` blocks back to back.
+    ///
+    /// # Panics
+    /// If `nb` is 0 or `w` is not whole rows (shapes are validated at load).
+    pub fn pack<B: F2Block>(w: &[B], nb: usize) -> Self {
+        assert!(
+            nb > 0 && w.len().is_multiple_of(nb),
+            "F2 layout: {} blocks in rows of {nb}",
+            w.len()
+        );
+        let mut bytes = Vec::with_capacity(w.len() / nb * f2_row_bytes::<B>(nb));
+        for row in w.chunks_exact(nb) {
+            for chunk in row.chunks(CHUNK) {
+                let heads = |part: fn(&B) -> [u8; 2]| {
+                    let mut h = [0u8; 2 * CHUNK];
+                    for (h, b) in h.chunks_exact_mut(2).zip(chunk) {
+                        h.copy_from_slice(&part(b));
+                    }
+                    h
+                };
+                bytes.extend_from_slice(&heads(|b| b.heads().0));
+                if B::HAS_MIN {
+                    bytes.extend_from_slice(&heads(|b| b.heads().1));
+                }
+                for b in chunk {
+                    bytes.extend_from_slice(b.quant_bytes());
+                }
+            }
+        }
+        F2Matrix {
+            has_min: B::HAS_MIN,
+            nb,
+            n_rows: w.len() / nb,
+            bytes,
+        }
+    }
+
+    /// Rows held.
+    pub fn n_rows(&self) -> usize {
+        self.n_rows
+    }
+
+    /// Bytes held.
+    pub fn byte_len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Rows `rows` as blocks of `B`.
+    ///
+    /// # Panics
+    /// If the matrix was not packed from `B` blocks or `rows` is out of range.
+    pub fn rows<B: F2Block>(&self, rows: std::ops::Range<usize>) -> F2Rows<'_, B> {
+        assert!(
+            self.has_min == B::HAS_MIN && rows.start <= rows.end && rows.end <= self.n_rows,
+            "F2 layout: rows {rows:?} of {} as the wrong format or out of range",
+            self.n_rows
+        );
+        let rb = f2_row_bytes::<B>(self.nb);
+        F2Rows {
+            nb: self.nb,
+            n_rows: rows.len(),
+            bytes: &self.bytes[rows.start * rb..rows.end * rb],
+            _block: std::marker::PhantomData,
+        }
+    }
+}
+
+/// Consecutive rows of an [`F2Matrix`] of `B` blocks.
+#[derive(Clone, Copy, Debug)]
+pub struct F2Rows<'a, B> {
+    pub(crate) nb: usize,
+    pub(crate) n_rows: usize,
+    pub(crate) bytes: &'a [u8],
+    _block: std::marker::PhantomData<B>,
+}
+
+impl<B: F2Block> F2Rows<'_, B> {
+    /// Bytes per row.
+    pub(crate) fn row_bytes(&self) -> usize {
+        f2_row_bytes::<B>(self.nb)
+    }
+
+    /// Block `b` of row `r`, as it was packed.
+    pub(crate) fn block(&self, r: usize, b: usize) -> B {
+        let (c, j) = (b / CHUNK, b % CHUNK);
+        let chunk = r * self.row_bytes() + c * (B::HEAD_BYTES + CHUNK * B::QUANT_BYTES);
+        let head = |k: usize| {
+            let at = chunk + k * 2 * CHUNK + 2 * j;
+            [self.bytes[at], self.bytes[at + 1]]
+        };
+        let m = if B::HAS_MIN { head(1) } else { [0; 2] };
+        let q = chunk + B::HEAD_BYTES + j * B::QUANT_BYTES;
+        B::from_parts(head(0), m, &self.bytes[q..q + B::QUANT_BYTES])
+    }
 }
 
 /// One row against one activation row in order F2.
-fn dot_ref<B: Block16>(row: &[B], a: Act16Row<'_>) -> f32 {
+fn dot_ref<B: F2Block>(row: impl ExactSizeIterator<Item = B>, a: Act16Row<'_>) -> f32 {
     let mut acc = [0.0f32; LANES];
     let mut macc = [0.0f32; LANES];
-    for (b, (blk, x)) in row.iter().zip(a.q.chunks_exact(QK_ACT16)).enumerate() {
+    let nb = row.len();
+    for (b, (blk, x)) in row.zip(a.q.chunks_exact(QK_ACT16)).enumerate() {
         let w = blk.quants();
         let c = blk.scale() * a.scale[b];
         for (l, acc) in acc.iter_mut().enumerate() {
@@ -250,7 +418,7 @@ fn dot_ref<B: Block16>(row: &[B], a: Act16Row<'_>) -> f32 {
         }
     }
     if B::HAS_MIN {
-        for b in row.len()..row.len().next_multiple_of(LANES) {
+        for b in nb..nb.next_multiple_of(LANES) {
             macc[b % LANES] = 0.0f32.mul_add(0.0, macc[b % LANES]);
         }
         for (acc, m) in acc.iter_mut().zip(macc) {
@@ -278,11 +446,25 @@ pub fn gemm_q8_0_ref(w: &[BlockQ8_0], acts: &Act16, out: &mut [f32]) {
     gemm_ref(w, acts, out)
 }
 
-fn gemm_ref<B: Block16>(w: &[B], acts: &Act16, out: &mut [f32]) {
+fn gemm_ref<B: F2Block>(w: &[B], acts: &Act16, out: &mut [f32]) {
     let (nb, n_rows) = check_gemm(w.len(), acts, out.len());
     for (t, ot) in out.chunks_exact_mut(n_rows.max(1)).enumerate() {
         for (row, o) in w.chunks_exact(nb).zip(ot) {
-            *o = dot_ref(row, acts.row(t));
+            *o = dot_ref(row.iter().copied(), acts.row(t));
+        }
+    }
+}
+
+/// [`gemm_q4_1_ref`] or [`gemm_q8_0_ref`] on packed rows, reading each block back
+/// out of the layout: the scalar tier's entry.
+///
+/// # Panics
+/// As [`gemm_q4_1_ref`].
+pub fn gemm_packed_ref<B: F2Block>(w: F2Rows<'_, B>, acts: &Act16, out: &mut [f32]) {
+    let (nb, n_rows) = check_gemm_rows(&w, acts, out.len());
+    for (t, ot) in out.chunks_exact_mut(n_rows.max(1)).enumerate() {
+        for (r, o) in ot.iter_mut().enumerate() {
+            *o = dot_ref((0..nb).map(|b| w.block(r, b)), acts.row(t));
         }
     }
 }
@@ -299,15 +481,31 @@ pub(crate) fn check_gemm(w_blocks: usize, acts: &Act16, out: usize) -> (usize, u
     (nb, w_blocks / nb)
 }
 
-/// [`gemm_q4_1_ref`] by the selected tier.
+/// [`check_gemm`] for packed rows.
+pub(crate) fn check_gemm_rows<B: F2Block>(
+    w: &F2Rows<'_, B>,
+    acts: &Act16,
+    out: usize,
+) -> (usize, usize) {
+    assert_eq!(
+        w.nb,
+        acts.n() / QK_ACT16,
+        "act16 product: rows of {} blocks against activations of {}",
+        w.nb,
+        acts.n()
+    );
+    check_gemm(w.nb * w.n_rows, acts, out)
+}
+
+/// [`gemm_q4_1_ref`] on packed rows, by the selected tier.
 #[inline]
-pub fn gemm_q4_1(w: &[BlockQ4_1], acts: &Act16, out: &mut [f32]) {
+pub fn gemm_q4_1(w: F2Rows<'_, BlockQ4_1>, acts: &Act16, out: &mut [f32]) {
     (crate::kernels().gemm_q4_1_act16)(w, acts, out)
 }
 
-/// [`gemm_q8_0_ref`] by the selected tier.
+/// [`gemm_q8_0_ref`] on packed rows, by the selected tier.
 #[inline]
-pub fn gemm_q8_0(w: &[BlockQ8_0], acts: &Act16, out: &mut [f32]) {
+pub fn gemm_q8_0(w: F2Rows<'_, BlockQ8_0>, acts: &Act16, out: &mut [f32]) {
     (crate::kernels().gemm_q8_0_act16)(w, acts, out)
 }
 

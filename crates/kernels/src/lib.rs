@@ -110,15 +110,19 @@ pub(crate) struct Kernels {
     pub(crate) widen_f16: fn(&[u16], &mut [f32]),
     /// [`act16::quantize_row_ref`].
     pub(crate) quantize_act16: QuantizeAct16Fn,
-    /// [`act16::gemm_q4_1_ref`].
-    pub(crate) gemm_q4_1_act16: fn(&[q4_1::BlockQ4_1], &act16::Act16, &mut [f32]),
-    /// [`act16::gemm_q8_0_ref`].
-    pub(crate) gemm_q8_0_act16: fn(&[BlockQ8_0], &act16::Act16, &mut [f32]),
+    /// [`act16::gemm_q4_1_ref`] on rows packed as [`act16::F2Matrix`].
+    pub(crate) gemm_q4_1_act16: GemmF2Fn<q4_1::BlockQ4_1>,
+    /// [`act16::gemm_q8_0_ref`] on rows packed as [`act16::F2Matrix`].
+    pub(crate) gemm_q8_0_act16: GemmF2Fn<BlockQ8_0>,
 }
 
 /// The signature of [`act16::quantize_row`].
 #[doc(hidden)]
 pub type QuantizeAct16Fn = fn(&[f32], &mut [i16], &mut [f32], &mut [f32]);
+
+/// The signature of [`act16::gemm_q4_1`] on `B` blocks.
+#[doc(hidden)]
+pub type GemmF2Fn<B> = fn(act16::F2Rows<'_, B>, &act16::Act16, &mut [f32]);
 
 /// The signature of [`attn::attn_group`] on rows of `T`.
 #[doc(hidden)]
@@ -147,8 +151,8 @@ pub(crate) static SCALAR: Kernels = Kernels {
     attn_group_f16: attn::attn_group_ref::<u16>,
     widen_f16: attn::widen_f16_ref,
     quantize_act16: act16::quantize_row_ref,
-    gemm_q4_1_act16: act16::gemm_q4_1_ref,
-    gemm_q8_0_act16: act16::gemm_q8_0_ref,
+    gemm_q4_1_act16: act16::gemm_packed_ref::<q4_1::BlockQ4_1>,
+    gemm_q8_0_act16: act16::gemm_packed_ref::<BlockQ8_0>,
 };
 
 /// Every tier name, lowest first: what `DS4_KERNELS` accepts.

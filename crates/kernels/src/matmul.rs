@@ -4,20 +4,24 @@
 
 use std::cell::RefCell;
 
-use crate::act16::Act16;
+use crate::act16::{Act16, F2Matrix};
 use crate::pool::ThreadPool;
+use crate::q4_1::BlockQ4_1;
+use crate::q8_0::BlockQ8_0;
 #[cfg(test)]
 use crate::vec_dot;
 use crate::{dequantize_row, vec_dot_rows, QuantizedActivations, WeightFormat};
 
 /// A row-major weight matrix of `n_out` rows of `n_in` elements in one format:
-/// ggml's `[n_in, n_out]` tensor.
+/// ggml's `[n_in, n_out]` tensor; for Q4_1 and Q8_0 also the copy laid out for
+/// [`matmul_fast`] (see [`WeightMatrix::pack_f2`]).
 #[derive(Clone, Copy, Debug)]
 pub struct WeightMatrix<'a> {
     pub fmt: WeightFormat,
     pub n_in: usize,
     pub n_out: usize,
     pub data: &'a [u8],
+    pub f2: Option<&'a F2Matrix>,
 }
 
 impl<'a> WeightMatrix<'a> {
@@ -29,7 +33,32 @@ impl<'a> WeightMatrix<'a> {
             n_in,
             n_out,
             data,
+            f2: None,
         })
+    }
+
+    /// The layout [`matmul_fast`] runs a Q4_1 or Q8_0 matrix from (order F2,
+    /// [`F2Matrix`]): built once, at load, and attached by [`Self::with_f2`].
+    /// `None` for the other formats, which it runs from `data`.
+    pub fn pack_f2(&self) -> Option<F2Matrix> {
+        let nb = self.n_in / crate::act16::QK_ACT16;
+        match self.fmt {
+            WeightFormat::Q4_1 => Some(F2Matrix::pack::<BlockQ4_1>(cast_rows(self, self.data), nb)),
+            WeightFormat::Q8_0 => Some(F2Matrix::pack::<BlockQ8_0>(cast_rows(self, self.data), nb)),
+            _ => None,
+        }
+    }
+
+    /// This matrix with its F2 layout attached.
+    ///
+    /// # Panics
+    /// If `f2` has a different number of rows (it was packed from another matrix).
+    pub fn with_f2(self, f2: &'a F2Matrix) -> Self {
+        assert_eq!(f2.n_rows(), self.n_out, "F2 layout of another matrix");
+        WeightMatrix {
+            f2: Some(f2),
+            ..self
+        }
     }
 
     fn row_bytes(&self) -> usize {
@@ -255,6 +284,11 @@ pub fn matmul_fast(
     let mut ptrs = [OutPtr(std::ptr::null_mut()); MAX_FUSED];
     for ((p, w), out) in ptrs.iter_mut().zip(ws).zip(outs.iter_mut()) {
         assert_eq!(out.len(), n_tok * w.n_out, "output size");
+        assert!(
+            !uses_act16(w.fmt) || w.f2.is_some(),
+            "matmul_fast: a {} matrix without its F2 layout (WeightMatrix::pack_f2)",
+            w.fmt.name()
+        );
         *p = OutPtr(out.as_mut_ptr());
     }
     let n_threads = pool.n_threads();
@@ -293,16 +327,15 @@ fn uses_act16(fmt: WeightFormat) -> bool {
     matches!(fmt, WeightFormat::Q4_1 | WeightFormat::Q8_0)
 }
 
-/// Rows `rows` of a Q4_1 or Q8_0 `w` against every token of `acts`.
+/// Rows `rows` of a Q4_1 or Q8_0 `w` (with its F2 layout) against every token of
+/// `acts`.
 fn act16_rows(w: &WeightMatrix<'_>, acts: &Act16, rows: std::ops::Range<usize>, out: OutPtr) {
-    if rows.is_empty() {
+    let Some(f2) = w.f2.filter(|_| !rows.is_empty()) else {
         return;
-    }
-    let rb = w.row_bytes();
-    let data = &w.data[rows.start * rb..rows.end * rb];
-    batched_rows(w, acts.rows(), rows, out, |local| match w.fmt {
-        WeightFormat::Q4_1 => crate::act16::gemm_q4_1(cast_rows(w, data), acts, local),
-        _ => crate::act16::gemm_q8_0(cast_rows(w, data), acts, local),
+    };
+    batched_rows(w, acts.rows(), rows.clone(), out, |local| match w.fmt {
+        WeightFormat::Q4_1 => crate::act16::gemm_q4_1(f2.rows(rows), acts, local),
+        _ => crate::act16::gemm_q8_0(f2.rows(rows), acts, local),
     });
 }
 
@@ -478,6 +511,12 @@ mod tests {
     /// count, for every format; and it is close to the f64 product.
     #[test]
     fn matmul_fast_is_batch_invariant_and_accurate() {
+        fn attach<'a>(w: WeightMatrix<'a>, f2: Option<&'a F2Matrix>) -> WeightMatrix<'a> {
+            match f2 {
+                Some(f2) => w.with_f2(f2),
+                None => w,
+            }
+        }
         let mut rng = XorShift::new(8);
         for fmt in WeightFormat::ALL {
             let (n_in, n_tok) = (512, 7);
@@ -485,6 +524,9 @@ mod tests {
             let data_b = random_matrix(fmt, n_in, 5, &mut rng);
             let wa = WeightMatrix::new(fmt, n_in, 37, &data_a).unwrap();
             let wb = WeightMatrix::new(fmt, n_in, 5, &data_b).unwrap();
+            let (fa, fb) = (wa.pack_f2(), wb.pack_f2());
+            assert_eq!(fa.is_some(), uses_act16(fmt), "{}", fmt.name());
+            let (wa, wb) = (attach(wa, fa.as_ref()), attach(wb, fb.as_ref()));
             let x: Vec<f32> = (0..n_in * n_tok).map(|_| rng.uniform(-2.0, 2.0)).collect();
             let mut single_a = vec![f32::NAN; n_tok * 37];
             let mut single_b = vec![f32::NAN; n_tok * 5];

@@ -791,14 +791,16 @@ fn act16_quantization_is_bit_identical_on_every_tier() {
     }
 }
 
-/// The products with 16-bit activations give every (row, token) exactly the
-/// scalar order F2, on every tier: one token (the decode kernel, four rows at a
-/// time) and batches around the 8-token groups, rows around the 4-row groups and
-/// across a panel (64 rows of 48 blocks), blocks around the 8-block chunks, any finite weight scales, and activations
-/// from the quantizer as well as raw quants over the whole i16 range.
+/// The products with 16-bit activations on packed rows ([`crate::act16::F2Matrix`])
+/// give every (row, token) exactly the scalar order F2 on the blocks, on every
+/// tier: one token (the decode kernel, four rows at a time) and batches around
+/// the 6-token groups, rows around the 2- and 4-row groups and across a panel
+/// (70 rows of 48 blocks), a range of rows not starting at 0, blocks around the
+/// 8-block chunks, any finite weight scales, and activations from the quantizer
+/// as well as raw quants over the whole i16 range.
 #[test]
 fn act16_products_are_bit_identical_on_every_tier() {
-    use crate::act16::{gemm_q4_1_ref, gemm_q8_0_ref, Act16};
+    use crate::act16::{gemm_q4_1_ref, gemm_q8_0_ref, Act16, F2Matrix};
     let mut rng = XorShift::new(172);
     for nb in [1, 2, 7, 8, 9, 18, 48] {
         for (n_rows, n_tok) in [
@@ -826,18 +828,26 @@ fn act16_products_are_bit_identical_on_every_tier() {
                     &rng.vec_uniform(nb * n_tok, -1e-3, 1e-3),
                     &rng.vec_uniform(nb * n_tok, -2.0, 2.0),
                 );
-                for acts in [&quantized, &raw] {
-                    let mut want4 = vec![0.0; n_rows * n_tok];
-                    let mut want8 = vec![0.0; n_rows * n_tok];
-                    gemm_q4_1_ref(&w4, acts, &mut want4);
-                    gemm_q8_0_ref(&w8, acts, &mut want8);
-                    for k in available_tiers() {
-                        let mut got = vec![f32::NAN; n_rows * n_tok];
-                        (k.gemm_q4_1_act16)(&w4, acts, &mut got);
-                        let case = format!("[{}] {nb} blocks, {n_rows}x{n_tok}, {how:?}", k.tier);
-                        assert_eq!(bits(&got), bits(&want4), "q4_1 {case}");
-                        (k.gemm_q8_0_act16)(&w8, acts, &mut got);
-                        assert_eq!(bits(&got), bits(&want8), "q8_0 {case}");
+                let (p4, p8) = (F2Matrix::pack(&w4, nb), F2Matrix::pack(&w8, nb));
+                // All rows, and all but the first (a unit of rows mid-matrix).
+                for first in [0, 1.min(n_rows - 1)] {
+                    let rows = n_rows - first;
+                    for acts in [&quantized, &raw] {
+                        let mut want4 = vec![0.0; rows * n_tok];
+                        let mut want8 = vec![0.0; rows * n_tok];
+                        gemm_q4_1_ref(&w4[first * nb..], acts, &mut want4);
+                        gemm_q8_0_ref(&w8[first * nb..], acts, &mut want8);
+                        for k in available_tiers() {
+                            let mut got = vec![f32::NAN; rows * n_tok];
+                            (k.gemm_q4_1_act16)(p4.rows(first..n_rows), acts, &mut got);
+                            let case = format!(
+                                "[{}] {nb} blocks, rows {first}..{n_rows} x {n_tok}, {how:?}",
+                                k.tier
+                            );
+                            assert_eq!(bits(&got), bits(&want4), "q4_1 {case}");
+                            (k.gemm_q8_0_act16)(p8.rows(first..n_rows), acts, &mut got);
+                            assert_eq!(bits(&got), bits(&want8), "q8_0 {case}");
+                        }
                     }
                 }
             }
@@ -1192,8 +1202,12 @@ fn bench_fast() {
         });
         let mut a1 = crate::act16::Act16::default();
         a1.quantize(&x, n_in);
-        let f2_4 = best_ns(|| (k.gemm_q4_1_act16)(black_box(&w4), &a1, &mut out));
-        let f2_8 = best_ns(|| (k.gemm_q8_0_act16)(black_box(&w8), &a1, &mut out));
+        let (p4, p8) = (
+            crate::act16::F2Matrix::pack(&w4, nb),
+            crate::act16::F2Matrix::pack(&w8, nb),
+        );
+        let f2_4 = best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..n_out)), &a1, &mut out));
+        let f2_8 = best_ns(|| (k.gemm_q8_0_act16)(black_box(p8.rows(0..n_out)), &a1, &mut out));
         println!(
             "{n_in}x{n_out} [{}] one token, dequantize + F1 dot vs 16-bit activations (F2): \
              q4_1 {:8.1} / {:8.1} us | q8_0 {:8.1} / {:8.1} us",
@@ -1211,13 +1225,13 @@ fn bench_fast() {
         a64.quantize(&xs, n_in);
         let rows = 96.min(n_out);
         let mut o64 = vec![0.0; rows * toks];
-        let f2 = best_ns(|| (k.gemm_q4_1_act16)(black_box(&w4[..rows * nb]), &a64, &mut o64));
+        let f2 = best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..rows)), &a64, &mut o64));
         // A prefill chunk's shape: 256 tokens against every row (up to 1536).
         let (rows_p, toks_p) = (1536.min(n_out), 256);
         let mut a256 = crate::act16::Act16::default();
         a256.quantize(&rng.vec_uniform(n_in * toks_p, -1.0, 1.0), n_in);
         let mut o256 = vec![0.0; rows_p * toks_p];
-        let f2p = best_ns(|| (k.gemm_q4_1_act16)(black_box(&w4[..rows_p * nb]), &a256, &mut o256));
+        let f2p = best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..rows_p)), &a256, &mut o256));
         println!(
             "  F2 gemm q4_1: {:.2} MAC/ns (64 tokens x 96 rows), {:.2} MAC/ns ({toks_p} x {rows_p})",
             (rows * toks * n_in) as f64 / f2,

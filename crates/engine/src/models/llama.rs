@@ -10,6 +10,7 @@
 //! `ffn_gate`/`ffn_up [n_embd, n_ff]`, `ffn_down [n_ff, n_embd]`.
 
 use ds4_gguf::Gguf;
+use ds4_kernels::act16::F2Matrix;
 use ds4_kernels::attn::AsF32Rows;
 use ds4_kernels::pool::ThreadPool;
 
@@ -42,7 +43,8 @@ pub(crate) struct LlamaWeights {
 }
 
 impl LlamaWeights {
-    pub fn bind(g: &Gguf, hp: &HParams) -> Result<Self> {
+    /// The weights and the fast path's packed copies their `TensorRef`s index.
+    pub fn bind(g: &Gguf, hp: &HParams) -> Result<(Self, Vec<F2Matrix>)> {
         let mut b = Binder::new(g);
         let (n_embd, n_q, n_kv) = (hp.n_embd, hp.n_embd_q(), hp.n_embd_kv());
         let tok_embd = b.matrix("token_embd.weight", n_embd, hp.n_vocab)?;
@@ -68,14 +70,15 @@ impl LlamaWeights {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        b.finish("llama")?;
-        Ok(LlamaWeights {
+        let f2 = b.finish("llama")?;
+        let weights = LlamaWeights {
             tok_embd,
             output_norm,
             output,
             layers,
             rope: Rope::new(hp.rope_base, hp.n_rot),
-        })
+        };
+        Ok((weights, f2))
     }
 }
 

@@ -25,6 +25,7 @@
 
 use std::arch::x86_64::*;
 
+use crate::act16::{F2Block, F2Rows, CHUNK};
 use crate::attn::{exp_ref, Running, EXP_LN2_HI, EXP_LN2_LO, EXP_LOG2E, EXP_MAX, EXP_MIN, EXP_P};
 use crate::f16::fp32_to_fp16;
 use crate::q4_0::BlockQ4_0;
@@ -125,11 +126,12 @@ fn quantize_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) 
     unsafe { quant_act16(x, q, scale, sum) }
 }
 
-/// [`crate::act16::gemm_q4_1_ref`] and [`crate::act16::gemm_q8_0_ref`].
-fn gemm_act16<B: Block16>(w: &[B], acts: &crate::act16::Act16, out: &mut [f32]) {
-    let (nb, n_rows) = crate::act16::check_gemm(w.len(), acts, out.len());
+/// [`crate::act16::gemm_q4_1_ref`] and [`crate::act16::gemm_q8_0_ref`] on
+/// packed rows.
+fn gemm_act16<B: Block16>(w: F2Rows<'_, B>, acts: &crate::act16::Act16, out: &mut [f32]) {
+    crate::act16::check_gemm_rows(&w, acts, out.len());
     // SAFETY: see above; the shapes were checked, as `gem16` requires.
-    unsafe { gem16(w, nb, n_rows, acts, out) }
+    unsafe { gem16(w, acts, out) }
 }
 
 fn dot_fma1(w: &[f32], x: &[f32]) -> f32 {
@@ -665,8 +667,12 @@ fn unpack_q4_1_chunk(xc: &[BlockQ4_1]) -> Q4_1Chunk {
             _mm256_and_si256(_mm256_srli_epi16::<4>(q), low),
         ];
     }
-    let [d, m] = chunk_scales(xc);
-    Q4_1Chunk { nibbles, d, m }
+    let head = chunk_heads(xc);
+    Q4_1Chunk {
+        nibbles,
+        d: f16_lo(head),
+        m: f16_hi(head),
+    }
 }
 
 /// The float terms `(dx·dy)·sumi + m·s` of the `2·n_pairs` (at most eight)
@@ -1060,26 +1066,24 @@ fn chunk_heads<T: bytemuck::Pod>(xc: &[T]) -> __m256i {
 }
 
 /// A weight block as order F2 takes it.
-trait Block16: bytemuck::Pod {
-    /// Whether the block has a minimum (`m`, the high half of its head).
-    const HAS_MIN: bool;
+trait Block16: F2Block {
     /// The 32 quants as i16 in the stored order of [`crate::act16`]: the even
     /// elements, then the odd ones, each 128-bit half in element order.
     ///
     /// # Safety
-    /// The CPU has AVX2.
-    unsafe fn quants16(&self) -> [__m256i; 2];
+    /// `q` points at the block's [`F2Block::QUANT_BYTES`] readable quant bytes;
+    /// the CPU has AVX2.
+    unsafe fn quants16(q: *const u8) -> [__m256i; 2];
 }
 
 impl Block16 for BlockQ4_1 {
-    const HAS_MIN: bool = true;
     #[inline(always)]
-    unsafe fn quants16(&self) -> [__m256i; 2] {
-        // SAFETY: `qs` is 16 readable bytes; the caller guarantees AVX2.
+    unsafe fn quants16(q: *const u8) -> [__m256i; 2] {
+        // SAFETY: `q` is 16 readable bytes; the caller guarantees AVX2.
         unsafe {
             // Both halves hold the 16 bytes; the high half shifted by a nibble, so
             // that byte j's low nibble there is its high one (element 16 + j).
-            let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(self.qs.as_ptr().cast()));
+            let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(q.cast()));
             let q = _mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
             let low = _mm256_set1_epi16(0x0F);
             [
@@ -1091,12 +1095,11 @@ impl Block16 for BlockQ4_1 {
 }
 
 impl Block16 for BlockQ8_0 {
-    const HAS_MIN: bool = false;
     #[inline(always)]
-    unsafe fn quants16(&self) -> [__m256i; 2] {
-        // SAFETY: `qs` is 32 readable bytes; AVX2 as above.
+    unsafe fn quants16(q: *const u8) -> [__m256i; 2] {
+        // SAFETY: `q` is 32 readable bytes; AVX2 as above.
         unsafe {
-            let q = _mm256_loadu_si256(self.qs.as_ptr().cast());
+            let q = _mm256_loadu_si256(q.cast());
             [
                 _mm256_srai_epi16::<8>(_mm256_slli_epi16::<8>(q)),
                 _mm256_srai_epi16::<8>(q),
@@ -1171,57 +1174,64 @@ fn quant_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
     }
 }
 
-/// One tile of order F2: `R` rows of `nb` blocks (back to back in `group`) against
-/// `T` activation rows, every pair in its own 8-lane accumulator. Per chunk of
-/// eight blocks each row's `d` and `m` are gathered once (or taken from `scales`,
-/// row `r`'s chunk `c` at `r·chunks + c`) and each pair's `c = d·s` formed eight
-/// wide (stored, then broadcast per block); per block each row's
-/// quants are widened once for the `T` tokens and each token's activations
-/// loaded once for the `R` rows. A single token (`T == 1`, decode) prefetches the
-/// group of rows two groups ahead.
+/// One tile of order F2: `R` packed rows of `nb` blocks (back to back in
+/// `group`, `row_bytes` each) against `T` activation rows, every pair in its own
+/// 8-lane accumulator. Per chunk of eight blocks each row's `d` and `m` are one
+/// load each and each pair's `c = d·s` is formed eight wide (stored, then
+/// broadcast per block); per block each row's quants are widened once for the
+/// `T` tokens and each token's activations loaded once for the `R` rows. A
+/// single token (`T == 1`, decode) prefetches the group of rows two groups ahead.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)] // r and t index several arrays at once
 fn tile16<B: Block16, const R: usize, const T: usize>(
-    group: &[B],
+    group: &[u8],
+    row_bytes: usize,
     nb: usize,
     toks: &[crate::act16::Act16Row<'_>; T],
-    scales: Option<&[[__m256; 2]]>,
 ) -> [[f32; T]; R] {
-    let mut rows: [&[B]; R] = [&[]; R];
-    for (r, row) in rows.iter_mut().enumerate() {
-        *row = &group[r * nb..(r + 1) * nb];
-    }
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let mut macc = [[_mm256_setzero_ps(); T]; R];
-    let n_chunks = nb.div_ceil(8);
-    let ahead = Prefetch::new(group, 2, n_chunks);
+    let n_chunks = nb.div_ceil(CHUNK);
+    let chunk_bytes = B::HEAD_BYTES + CHUNK * B::QUANT_BYTES;
+    let ahead = Prefetch::new(&group[..R * row_bytes], 2, n_chunks);
     for c in 0..n_chunks {
         if T == 1 {
             ahead.step(c);
         }
-        let len = (nb - 8 * c).min(8);
-        let mut cs = [[[0.0f32; 8]; T]; R];
+        let len = (nb - CHUNK * c).min(CHUNK);
+        let mut cs = [[[0.0f32; CHUNK]; T]; R];
+        let mut quants = [std::ptr::null::<u8>(); R];
         for r in 0..R {
-            let [d, m] = match scales {
-                Some(sc) => sc[r * n_chunks + c],
-                None => chunk_scales(&rows[r][8 * c..8 * c + len]),
+            let chunk =
+                &group[r * row_bytes + c * chunk_bytes..][..B::HEAD_BYTES + len * B::QUANT_BYTES];
+            quants[r] = chunk[B::HEAD_BYTES..].as_ptr();
+            // SAFETY: a chunk starts with 8 f16 `d`s, then (with a minimum) 8 `m`s.
+            let (d, m) = unsafe {
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(chunk.as_ptr().cast()));
+                let m = if B::HAS_MIN {
+                    _mm256_cvtph_ps(_mm_loadu_si128(chunk.as_ptr().add(16).cast()))
+                } else {
+                    _mm256_setzero_ps()
+                };
+                (d, m)
             };
             for t in 0..T {
-                let s = load_f32x8(&toks[t].scale[8 * c..]);
+                let s = load_f32x8(&toks[t].scale[CHUNK * c..]);
                 store_f32x8(&mut cs[r][t], _mm256_mul_ps(d, s));
                 if B::HAS_MIN {
-                    let sigma = load_f32x8(&toks[t].sum[8 * c..]);
+                    let sigma = load_f32x8(&toks[t].sum[CHUNK * c..]);
                     macc[r][t] = _mm256_fmadd_ps(m, sigma, macc[r][t]);
                 }
             }
         }
         for j in 0..len {
-            let b = 8 * c + j;
+            let b = CHUNK * c + j;
             let mut w = [[_mm256_setzero_si256(); 2]; R];
             for r in 0..R {
-                // SAFETY: AVX2 is enabled here.
-                w[r] = unsafe { rows[r][b].quants16() };
+                // SAFETY: row r's chunk slice holds `len` blocks' quants after its
+                // heads, and j < len; AVX2 is enabled here.
+                w[r] = unsafe { B::quants16(quants[r].add(j * B::QUANT_BYTES)) };
             }
             for t in 0..T {
                 let x: &[i16; 32] = toks[t].q[32 * b..32 * b + 32].try_into().unwrap();
@@ -1257,20 +1267,6 @@ fn tile16<B: Block16, const R: usize, const T: usize>(
     out
 }
 
-/// `d` and (with a minimum) `m` of up to eight blocks, widened, zeros past
-/// `xc.len()`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn chunk_scales<B: Block16>(xc: &[B]) -> [__m256; 2] {
-    let head = chunk_heads(xc);
-    let m = if B::HAS_MIN {
-        f16_hi(head)
-    } else {
-        _mm256_setzero_ps()
-    };
-    [f16_lo(head), m]
-}
-
 /// The tile of [`tile16`] in a prefill: 2 rows x 6 tokens (12 accumulators, two
 /// rows' widened quants and one token's activations in AVX2's 16 registers).
 /// Measured against 1x8, 2x4, 2x5, 2x7, 2x8, 3x3, 3x4 and 1x12 on Zen 3: 10-40%
@@ -1278,86 +1274,62 @@ fn chunk_scales<B: Block16>(xc: &[B]) -> [__m256; 2] {
 const TILE16_ROWS: usize = 2;
 const TILE16_TOKENS: usize = 6;
 
-/// [`crate::act16::gemm_q4_1_ref`] and its Q8_0 twin: `n_rows` rows of `nb`
-/// blocks against every row of `acts`. One token: four rows per tile. More:
-/// groups of up to [`TILE16_TOKENS`] tokens, each walking a panel of rows
-/// [`TILE16_ROWS`] at a time (the tokens' activations stay in L1 while the rows
-/// stream from L2).
+/// [`crate::act16::gemm_q4_1_ref`] and its Q8_0 twin on packed rows against
+/// every row of `acts`. One token: four rows per tile. More: groups of up to
+/// [`TILE16_TOKENS`] tokens, each walking a panel of rows [`TILE16_ROWS`] at a
+/// time (the tokens' activations stay in L1 while the rows stream from L2).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn gem16<B: Block16>(
-    w: &[B],
-    nb: usize,
-    n_rows: usize,
-    acts: &crate::act16::Act16,
-    out: &mut [f32],
-) {
+fn gem16<B: Block16>(w: F2Rows<'_, B>, acts: &crate::act16::Act16, out: &mut [f32]) {
+    let (nb, n_rows, rb) = (w.nb, w.n_rows, w.row_bytes());
     let n_tok = acts.rows();
     if n_tok == 1 {
         let a = acts.row(0);
         let full = n_rows / 4 * 4;
-        for (g, o) in w[..full * nb]
-            .chunks_exact(4 * nb)
+        for (g, o) in w.bytes[..full * rb]
+            .chunks_exact(4 * rb)
             .zip(out.chunks_exact_mut(4))
         {
-            for (o, v) in o.iter_mut().zip(tile16::<B, 4, 1>(g, nb, &[a], None)) {
+            for (o, v) in o.iter_mut().zip(tile16::<B, 4, 1>(g, rb, nb, &[a])) {
                 *o = v[0];
             }
         }
         for (r, o) in (full..n_rows).zip(&mut out[full..]) {
-            *o = tile16::<B, 1, 1>(&w[r * nb..(r + 1) * nb], nb, &[a], None)[0][0];
+            *o = tile16::<B, 1, 1>(&w.bytes[r * rb..(r + 1) * rb], rb, nb, &[a])[0][0];
         }
         return;
     }
     // Each group of tokens keeps its activations in L1 while a panel of rows
-    // streams past from L2, two rows at a time; the rows' chunk scales are
-    // widened once per panel, not once per group.
-    let panel_rows = (GEMM16_PANEL_CHUNKS / nb.div_ceil(8)).max(1);
-    GEMM16_SCALES.with_borrow_mut(|scales| {
-        for r0 in (0..n_rows).step_by(panel_rows) {
-            let panel = r0..(r0 + panel_rows).min(n_rows);
-            scales.clear();
-            for row in w[panel.start * nb..panel.end * nb].chunks_exact(nb) {
-                scales.extend(row.chunks(8).map(|xc| chunk_scales(xc)));
-            }
-            for t0 in (0..n_tok).step_by(TILE16_TOKENS) {
-                let p = Panel16 {
-                    w,
-                    nb,
-                    n_rows,
-                    rows: panel.clone(),
-                    scales,
-                    t0,
-                };
-                match n_tok - t0 {
-                    6.. => p.tokens::<6>(acts, out),
-                    5 => p.tokens::<5>(acts, out),
-                    4 => p.tokens::<4>(acts, out),
-                    3 => p.tokens::<3>(acts, out),
-                    2 => p.tokens::<2>(acts, out),
-                    _ => p.tokens::<1>(acts, out),
-                }
+    // streams past from L2, two rows at a time.
+    let panel_rows = (GEMM16_PANEL_BYTES / rb).max(1);
+    for r0 in (0..n_rows).step_by(panel_rows) {
+        let panel = r0..(r0 + panel_rows).min(n_rows);
+        for t0 in (0..n_tok).step_by(TILE16_TOKENS) {
+            let p = Panel16 {
+                w,
+                rows: panel.clone(),
+                t0,
+            };
+            match n_tok - t0 {
+                6.. => p.tokens::<6>(acts, out),
+                5 => p.tokens::<5>(acts, out),
+                4 => p.tokens::<4>(acts, out),
+                3 => p.tokens::<3>(acts, out),
+                2 => p.tokens::<2>(acts, out),
+                _ => p.tokens::<1>(acts, out),
             }
         }
-    });
+    }
 }
 
-/// Chunk scales per panel of [`gem16`]'s batched path (128 rows of 576
-/// elements, 64 of 1536): larger panels measured faster up to about this size.
-const GEMM16_PANEL_CHUNKS: usize = 384;
-
-thread_local! {
-    /// The chunk scales of [`gem16`]'s current panel.
-    static GEMM16_SCALES: std::cell::RefCell<Vec<[__m256; 2]>> =
-        const { std::cell::RefCell::new(Vec::new()) };
-}
+/// Packed weight bytes per panel of [`gem16`]'s batched path (128 Q4_1 rows of
+/// 576 elements, 48 Q8_0 rows of 1536): larger panels measured faster up to
+/// about this size (as 384 chunks of eight blocks).
+const GEMM16_PANEL_BYTES: usize = 48 * 1024;
 
 /// One panel of rows of [`gem16`] and the first token of a group.
 struct Panel16<'a, B> {
-    w: &'a [B],
-    nb: usize,
-    n_rows: usize,
+    w: F2Rows<'a, B>,
     rows: std::ops::Range<usize>,
-    scales: &'a [[__m256; 2]],
     t0: usize,
 }
 
@@ -1390,10 +1362,8 @@ impl<B: Block16> Panel16<'_, B> {
         r: usize,
         toks: &[crate::act16::Act16Row<'_>; T],
     ) -> [[f32; T]; R] {
-        let (nb, n_chunks) = (self.nb, self.nb.div_ceil(8));
-        let i = r - self.rows.start;
-        let scales = &self.scales[i * n_chunks..(i + R) * n_chunks];
-        tile16::<B, R, T>(&self.w[r * nb..(r + R) * nb], nb, toks, Some(scales))
+        let rb = self.w.row_bytes();
+        tile16::<B, R, T>(&self.w.bytes[r * rb..(r + R) * rb], rb, self.w.nb, toks)
     }
 
     /// Puts the products of rows `r..` for tokens `t0..` in place.
@@ -1401,7 +1371,7 @@ impl<B: Block16> Panel16<'_, B> {
     fn store<const R: usize, const T: usize>(&self, r: usize, v: &[[f32; T]; R], out: &mut [f32]) {
         for (k, row) in v.iter().enumerate() {
             for (t, &x) in row.iter().enumerate() {
-                out[(self.t0 + t) * self.n_rows + r + k] = x;
+                out[(self.t0 + t) * self.w.n_rows + r + k] = x;
             }
         }
     }
