@@ -345,6 +345,16 @@ impl F2Matrix {
         self.n_rows
     }
 
+    /// Blocks per row.
+    pub fn blocks_per_row(&self) -> usize {
+        self.nb
+    }
+
+    /// Whether it was packed from blocks with a minimum (Q4_1).
+    pub fn has_min(&self) -> bool {
+        self.has_min
+    }
+
     /// Bytes held.
     pub fn byte_len(&self) -> usize {
         self.bytes.len()

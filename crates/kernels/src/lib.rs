@@ -114,6 +114,22 @@ pub(crate) struct Kernels {
     pub(crate) gemm_q4_1_act16: GemmF2Fn<q4_1::BlockQ4_1>,
     /// [`act16::gemm_q8_0_ref`] on rows packed as [`act16::F2Matrix`].
     pub(crate) gemm_q8_0_act16: GemmF2Fn<BlockQ8_0>,
+    /// [`q4_k::vec_dot_q4_K_q8_K`].
+    pub(crate) vec_dot_q4_k_q8_k: fn(&[q4_k::BlockQ4_K], &[BlockQ8_K]) -> f32,
+    /// [`q6_k::vec_dot_q6_K_q8_K`].
+    pub(crate) vec_dot_q6_k_q8_k: fn(&[q6_k::BlockQ6_K], &[BlockQ8_K]) -> f32,
+    /// [`q4_k::dequantize_row`].
+    pub(crate) dequantize_row_q4_k: fn(&[q4_k::BlockQ4_K], &mut [f32]),
+    /// [`q6_k::dequantize_row`].
+    pub(crate) dequantize_row_q6_k: fn(&[q6_k::BlockQ6_K], &mut [f32]),
+    /// [`q4_0::dequantize_row`].
+    pub(crate) dequantize_row_q4_0: fn(&[q4_0::BlockQ4_0], &mut [f32]),
+    /// [`q5_0::dequantize_row`].
+    pub(crate) dequantize_row_q5_0: fn(&[q5_0::BlockQ5_0], &mut [f32]),
+    /// [`f16::dequantize_row`].
+    pub(crate) dequantize_row_f16: fn(&[u8], &mut [f32]),
+    /// [`bf16::dequantize_row`].
+    pub(crate) dequantize_row_bf16: fn(&[u8], &mut [f32]),
 }
 
 /// The signature of [`act16::quantize_row`].
@@ -153,6 +169,14 @@ pub(crate) static SCALAR: Kernels = Kernels {
     quantize_act16: act16::quantize_row_ref,
     gemm_q4_1_act16: act16::gemm_packed_ref::<q4_1::BlockQ4_1>,
     gemm_q8_0_act16: act16::gemm_packed_ref::<BlockQ8_0>,
+    vec_dot_q4_k_q8_k: q4_k::vec_dot_q4_K_q8_K,
+    vec_dot_q6_k_q8_k: q6_k::vec_dot_q6_K_q8_K,
+    dequantize_row_q4_k: q4_k::dequantize_row,
+    dequantize_row_q6_k: q6_k::dequantize_row,
+    dequantize_row_q4_0: q4_0::dequantize_row,
+    dequantize_row_q5_0: q5_0::dequantize_row,
+    dequantize_row_f16: f16::dequantize_row,
+    dequantize_row_bf16: bf16::dequantize_row,
 };
 
 /// Every tier name, lowest first: what `DS4_KERNELS` accepts.
@@ -440,14 +464,14 @@ pub fn dequantize_row(fmt: WeightFormat, row: &[u8], out: &mut [f32]) -> Result<
     fmt.check_row(out.len(), row.len())?;
     match fmt {
         WeightFormat::F32 => f32::dequantize_row(row, out),
-        WeightFormat::F16 => f16::dequantize_row(row, out),
-        WeightFormat::BF16 => bf16::dequantize_row(row, out),
-        WeightFormat::Q4_0 => q4_0::dequantize_row(q4_0::blocks(row)?, out),
+        WeightFormat::F16 => (kernels().dequantize_row_f16)(row, out),
+        WeightFormat::BF16 => (kernels().dequantize_row_bf16)(row, out),
+        WeightFormat::Q4_0 => (kernels().dequantize_row_q4_0)(q4_0::blocks(row)?, out),
         WeightFormat::Q4_1 => (kernels().dequantize_row_q4_1)(q4_1::blocks(row)?, out),
-        WeightFormat::Q5_0 => q5_0::dequantize_row(q5_0::blocks(row)?, out),
+        WeightFormat::Q5_0 => (kernels().dequantize_row_q5_0)(q5_0::blocks(row)?, out),
         WeightFormat::Q8_0 => (kernels().dequantize_row_q8_0)(q8_0::blocks(row)?, out),
-        WeightFormat::Q4_K => q4_k::dequantize_row(q4_k::blocks(row)?, out),
-        WeightFormat::Q6_K => q6_k::dequantize_row(q6_k::blocks(row)?, out),
+        WeightFormat::Q4_K => (kernels().dequantize_row_q4_k)(q4_k::blocks(row)?, out),
+        WeightFormat::Q6_K => (kernels().dequantize_row_q6_k)(q6_k::blocks(row)?, out),
     }
     Ok(())
 }
@@ -710,10 +734,10 @@ pub fn vec_dot(fmt: WeightFormat, n: usize, w_row: &[u8], act: ActivationRow<'_>
             (kernels().vec_dot_q8_0_q8_0)(cast_checked(w_row), y)
         }
         (WeightFormat::Q4_K, ActivationRow::Q8_K(y)) => {
-            q4_k::vec_dot_q4_K_q8_K(cast_checked(w_row), y)
+            (kernels().vec_dot_q4_k_q8_k)(cast_checked(w_row), y)
         }
         (WeightFormat::Q6_K, ActivationRow::Q8_K(y)) => {
-            q6_k::vec_dot_q6_K_q8_K(cast_checked(w_row), y)
+            (kernels().vec_dot_q6_k_q8_k)(cast_checked(w_row), y)
         }
         (fmt, act) => panic!(
             "{} weights take {} activations, got {}",

@@ -52,9 +52,14 @@ impl<'a> WeightMatrix<'a> {
     /// This matrix with its F2 layout attached.
     ///
     /// # Panics
-    /// If `f2` has a different number of rows (it was packed from another matrix).
+    /// If `f2` has another shape or format (it was packed from another matrix).
     pub fn with_f2(self, f2: &'a F2Matrix) -> Self {
-        assert_eq!(f2.n_rows(), self.n_out, "F2 layout of another matrix");
+        assert!(
+            f2.n_rows() == self.n_out
+                && f2.blocks_per_row() * crate::act16::QK_ACT16 == self.n_in
+                && f2.has_min() == (self.fmt == WeightFormat::Q4_1),
+            "F2 layout of another matrix"
+        );
         WeightMatrix {
             f2: Some(f2),
             ..self
@@ -601,5 +606,22 @@ mod tests {
         assert!(WeightMatrix::new(WeightFormat::Q4_1, 64, 2, &[0; 80]).is_some());
         assert!(WeightMatrix::new(WeightFormat::Q4_1, 64, 2, &[0; 79]).is_none());
         assert!(WeightMatrix::new(WeightFormat::Q4_1, 63, 2, &[0; 80]).is_none());
+    }
+
+    #[test]
+    #[should_panic(expected = "without its F2 layout")]
+    fn matmul_fast_refuses_a_q4_1_matrix_without_its_f2_layout() {
+        let w = WeightMatrix::new(WeightFormat::Q4_1, 64, 2, &[0; 80]).unwrap();
+        matmul_fast(&ThreadPool::new(1), &[&w], &[0.5; 64], &mut [&mut [0.0; 2]]);
+    }
+
+    #[test]
+    #[should_panic(expected = "F2 layout of another matrix")]
+    fn with_f2_refuses_another_matrix_layout() {
+        let q8 = WeightMatrix::new(WeightFormat::Q8_0, 64, 2, &[0; 136]).unwrap();
+        let q4 = WeightMatrix::new(WeightFormat::Q4_1, 64, 2, &[0; 80]).unwrap();
+        let packed = q8.pack_f2().unwrap();
+        let _ = q8.with_f2(&packed);
+        let _ = q4.with_f2(&packed);
     }
 }

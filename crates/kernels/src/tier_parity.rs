@@ -1137,6 +1137,35 @@ fn bench_fast() {
     }
     let mut rng = XorShift::new(171);
     let k = available_tiers().last().copied().unwrap();
+    // K-quant rows of 1536 (6 super-blocks): dequantization and Q8_K dots, scalar
+    // reference vs the best tier.
+    {
+        use crate::q8_k::{quantize_row_ref, BlockQ8_K};
+        let nb = 6;
+        let w4: Vec<crate::q4_k::BlockQ4_K> = random_blocks(&mut rng, nb, 2, Scales::Typical);
+        let mut w6: Vec<crate::q6_k::BlockQ6_K> = random_blocks(&mut rng, nb, 0, Scales::Typical);
+        for b in &mut w6 {
+            b.d = scale(&mut rng, Scales::Typical);
+        }
+        let mut y = vec![BlockQ8_K::ZERO; nb];
+        quantize_row_ref(&rng.vec_uniform(nb * 256, -1.0, 1.0), &mut y);
+        let mut out = vec![0.0; nb * 256];
+        for t in [&SCALAR, k] {
+            let d4 = best_ns(|| (t.dequantize_row_q4_k)(black_box(&w4), &mut out));
+            let d6 = best_ns(|| (t.dequantize_row_q6_k)(black_box(&w6), &mut out));
+            let v4 = best_ns(|| {
+                black_box((t.vec_dot_q4_k_q8_k)(black_box(&w4), &y));
+            });
+            let v6 = best_ns(|| {
+                black_box((t.vec_dot_q6_k_q8_k)(black_box(&w6), &y));
+            });
+            println!(
+                "k-quants, rows of 1536 [{}]: dequantize q4_K {d4:.0} ns, q6_K {d6:.0} ns; \
+                 dot with q8_K q4_K {v4:.0} ns, q6_K {v6:.0} ns",
+                t.tier
+            );
+        }
+    }
     // One grouped attention tile step (64 positions, head_dim 64), per (query, position).
     for g in [1, 2, 3] {
         let (n, hd) = (64, 64);
@@ -1258,6 +1287,104 @@ fn bench_fast() {
             });
             let macs = (8 * 12 * toks * n_in) as f64;
             println!("  F1 gemm tiles {gr}x{gt}: {:.2} MAC/ns", macs / gemm);
+        }
+    }
+}
+
+/// Q4_K and Q6_K (random bytes, so every 6-bit scale and min, every quant, and
+/// the f16 super-block scales set by `how`) against Q8_K activations from the
+/// quantizer and raw ones over the whole i8 range (-128 included): dequantization
+/// and dot products bit-identical to the scalar references on every tier.
+#[test]
+fn k_quants_are_bit_identical_on_every_tier() {
+    use crate::q4_k::{self, BlockQ4_K};
+    use crate::q6_k::{self, BlockQ6_K};
+    use crate::q8_k::{self, BlockQ8_K};
+    use crate::QK_K;
+    let mut rng = XorShift::new(181);
+    for nb in [1, 2, 3, 8] {
+        for how in [Scales::AnyFinite, Scales::Typical, Scales::Fixed(0x8000)] {
+            let w4: Vec<BlockQ4_K> = random_blocks(&mut rng, nb, 2, how);
+            let mut w6: Vec<BlockQ6_K> = random_blocks(&mut rng, nb, 0, how);
+            for b in &mut w6 {
+                b.d = scale(&mut rng, how);
+            }
+            let mut quantized = vec![BlockQ8_K::ZERO; nb];
+            q8_k::quantize_row_ref(&activations(&mut rng, nb * QK_K), &mut quantized);
+            let raw: Vec<BlockQ8_K> = (0..nb)
+                .map(|_| {
+                    let mut y = BlockQ8_K::ZERO;
+                    y.d = rng.uniform(-0.01, 0.01);
+                    for q in &mut y.qs {
+                        *q = rng.byte() as i8;
+                    }
+                    for (s, q) in y.bsums.iter_mut().zip(y.qs.chunks_exact(16)) {
+                        *s = q.iter().map(|&q| i16::from(q)).sum();
+                    }
+                    y
+                })
+                .collect();
+            let (mut want4, mut want6) = (vec![0.0; nb * QK_K], vec![0.0; nb * QK_K]);
+            q4_k::dequantize_row(&w4, &mut want4);
+            q6_k::dequantize_row(&w6, &mut want6);
+            for k in available_tiers() {
+                let case = format!("[{}] {nb} blocks, {how:?}", k.tier);
+                let mut got = vec![f32::NAN; nb * QK_K];
+                (k.dequantize_row_q4_k)(&w4, &mut got);
+                assert_eq!(bits(&got), bits(&want4), "q4_K dequantize {case}");
+                (k.dequantize_row_q6_k)(&w6, &mut got);
+                assert_eq!(bits(&got), bits(&want6), "q6_K dequantize {case}");
+                for y in [&quantized, &raw] {
+                    let (got4, want4) = (
+                        (k.vec_dot_q4_k_q8_k)(&w4, y),
+                        q4_k::vec_dot_q4_K_q8_K(&w4, y),
+                    );
+                    assert!(same_bits(got4, want4), "q4_K dot {case}: {got4} vs {want4}");
+                    let (got6, want6) = (
+                        (k.vec_dot_q6_k_q8_k)(&w6, y),
+                        q6_k::vec_dot_q6_K_q8_K(&w6, y),
+                    );
+                    assert!(same_bits(got6, want6), "q6_K dot {case}: {got6} vs {want6}");
+                }
+            }
+        }
+    }
+}
+
+/// The dequantizers of the fast path's other formats (order F1 decodes rows with
+/// them): Q4_0 and Q5_0 blocks of random bytes, and f16 and bf16 rows of any bit
+/// patterns (infinities, NaNs, subnormals) and lengths around the 8-wide steps.
+#[test]
+fn q4_0_q5_0_f16_bf16_dequantizers_are_bit_identical_on_every_tier() {
+    let same = |got: &[f32], want: &[f32]| got.iter().zip(want).all(|(&a, &b)| same_bits(a, b));
+    let mut rng = XorShift::new(182);
+    for nb in BLOCK_COUNTS {
+        for how in [Scales::AnyFinite, Scales::Typical, Scales::Fixed(0x8000)] {
+            let x0: Vec<BlockQ4_0> = random_blocks(&mut rng, nb, 1, how);
+            let x5: Vec<BlockQ5_0> = random_blocks(&mut rng, nb, 1, how);
+            let (mut want0, mut want5) = (vec![0.0; nb * QK8_0], vec![0.0; nb * QK8_0]);
+            q4_0::dequantize_row(&x0, &mut want0);
+            q5_0::dequantize_row(&x5, &mut want5);
+            for k in available_tiers() {
+                let mut got = vec![f32::NAN; nb * QK8_0];
+                (k.dequantize_row_q4_0)(&x0, &mut got);
+                assert!(same(&got, &want0), "q4_0 [{}] {nb} blocks, {how:?}", k.tier);
+                (k.dequantize_row_q5_0)(&x5, &mut got);
+                assert!(same(&got, &want5), "q5_0 [{}] {nb} blocks, {how:?}", k.tier);
+            }
+        }
+    }
+    for n in (0..=40).chain([576, 1537]) {
+        let row: Vec<u8> = (0..2 * n).map(|_| rng.byte()).collect();
+        let (mut want16, mut want_bf) = (vec![0.0; n], vec![0.0; n]);
+        crate::f16::dequantize_row(&row, &mut want16);
+        crate::bf16::dequantize_row(&row, &mut want_bf);
+        for k in available_tiers() {
+            let mut got = vec![f32::NAN; n];
+            (k.dequantize_row_f16)(&row, &mut got);
+            assert!(same(&got, &want16), "f16 [{}] n = {n}", k.tier);
+            (k.dequantize_row_bf16)(&row, &mut got);
+            assert_eq!(bits(&got), bits(&want_bf), "bf16 [{}] n = {n}", k.tier);
         }
     }
 }

@@ -30,9 +30,14 @@ use crate::attn::{exp_ref, Running, EXP_LN2_HI, EXP_LN2_LO, EXP_LOG2E, EXP_MAX, 
 use crate::f16::fp32_to_fp16;
 use crate::q4_0::BlockQ4_0;
 use crate::q4_1::{BlockQ4_1, QK4_1};
+use crate::q4_k::BlockQ4_K;
 use crate::q5_0::BlockQ5_0;
+use crate::q6_k::BlockQ6_K;
 use crate::q8_0::{BlockQ8_0, QK8_0};
+use crate::q8_k::BlockQ8_K;
 use crate::Kernels;
+
+mod kquants;
 
 /// The AVX2 tier.
 pub(super) static KERNELS: Kernels = Kernels {
@@ -58,6 +63,14 @@ pub(super) static KERNELS: Kernels = Kernels {
     quantize_act16,
     gemm_q4_1_act16: gemm_act16::<BlockQ4_1>,
     gemm_q8_0_act16: gemm_act16::<BlockQ8_0>,
+    vec_dot_q4_k_q8_k,
+    vec_dot_q6_k_q8_k,
+    dequantize_row_q4_k,
+    dequantize_row_q6_k,
+    dequantize_row_q4_0,
+    dequantize_row_q5_0,
+    dequantize_row_f16,
+    dequantize_row_bf16,
 };
 
 // Table entries: the length checks the scalar references make, then the call.
@@ -65,6 +78,62 @@ pub(super) static KERNELS: Kernels = Kernels {
 // `super::avx2()`, which returns it after detecting AVX2, FMA and F16C, the
 // features the callee is compiled for. Memory safety inside the callees does
 // not depend on these length checks beyond what slices already guarantee.
+
+fn vec_dot_q4_k_q8_k(x: &[BlockQ4_K], y: &[BlockQ8_K]) -> f32 {
+    assert_eq!(x.len(), y.len(), "vec_dot_q4_K_q8_K block counts");
+    // SAFETY: see above.
+    unsafe { kquants::dot_q4_k_q8_k(x, y) }
+}
+
+fn vec_dot_q6_k_q8_k(x: &[BlockQ6_K], y: &[BlockQ8_K]) -> f32 {
+    assert_eq!(x.len(), y.len(), "vec_dot_q6_K_q8_K block counts");
+    // SAFETY: see above.
+    unsafe { kquants::dot_q6_k_q8_k(x, y) }
+}
+
+fn dequantize_row_q4_0(x: &[BlockQ4_0], y: &mut [f32]) {
+    assert_eq!(y.len(), x.len() * QK8_0, "q4_0 dequantize_row lengths");
+    // SAFETY: see above.
+    unsafe { dequant_q4_0(x, y) }
+}
+
+fn dequantize_row_q5_0(x: &[BlockQ5_0], y: &mut [f32]) {
+    assert_eq!(y.len(), x.len() * QK8_0, "q5_0 dequantize_row lengths");
+    // SAFETY: see above.
+    unsafe { dequant_q5_0(x, y) }
+}
+
+fn dequantize_row_f16(row: &[u8], y: &mut [f32]) {
+    assert_eq!(row.len(), 2 * y.len(), "f16 row bytes vs output length");
+    // SAFETY: see above.
+    unsafe { dequant_f16(row, y) }
+}
+
+fn dequantize_row_bf16(row: &[u8], y: &mut [f32]) {
+    assert_eq!(row.len(), 2 * y.len(), "bf16 row bytes vs output length");
+    // SAFETY: see above.
+    unsafe { dequant_bf16(row, y) }
+}
+
+fn dequantize_row_q4_k(x: &[BlockQ4_K], y: &mut [f32]) {
+    assert_eq!(
+        y.len(),
+        x.len() * crate::QK_K,
+        "q4_K dequantize_row lengths"
+    );
+    // SAFETY: see above.
+    unsafe { kquants::dequant_q4_k(x, y) }
+}
+
+fn dequantize_row_q6_k(x: &[BlockQ6_K], y: &mut [f32]) {
+    assert_eq!(
+        y.len(),
+        x.len() * crate::QK_K,
+        "q6_K dequantize_row lengths"
+    );
+    // SAFETY: see above.
+    unsafe { kquants::dequant_q6_k(x, y) }
+}
 
 fn vec_dot_q4_0_q8_0(x: &[BlockQ4_0], y: &[BlockQ8_0]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_q4_0_q8_0 block counts");
@@ -333,6 +402,37 @@ fn f16_hi(v: __m256i) -> __m256 {
 fn f16x2_to_f32(a: [u8; 2], b: [u8; 2]) -> __m128 {
     let bits = u32::from_le_bytes([a[0], a[1], b[0], b[1]]);
     _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))
+}
+
+/// Lanes 8k..8k+8 of the 32 bytes of `v` widened to i32, zero- or sign-extended.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen8<const SIGNED: bool>(v: __m256i, k: usize) -> __m256i {
+    let half = if k < 2 {
+        _mm256_castsi256_si128(v)
+    } else {
+        _mm256_extracti128_si256::<1>(v)
+    };
+    let part = if k.is_multiple_of(2) {
+        half
+    } else {
+        _mm_srli_si128::<8>(half)
+    };
+    if SIGNED {
+        _mm256_cvtepi8_epi32(part)
+    } else {
+        _mm256_cvtepu8_epi32(part)
+    }
+}
+
+/// `out[i] = q[i]·d` for the 32 signed bytes of `q`: the scalar's `q as f32 * d`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn store_scaled_i8x32(q: __m256i, d: __m256, out: &mut [f32]) {
+    for (k, out) in out[..32].chunks_exact_mut(8).enumerate() {
+        let v = _mm256_cvtepi32_ps(widen8::<true>(q, k));
+        store_f32x8(out, _mm256_mul_ps(v, d));
+    }
 }
 
 /// Lane `i` of the result is the sum of the 8 lanes of `p[i]`.
@@ -967,6 +1067,51 @@ fn dequant_q4_1(x: &[BlockQ4_1], y: &mut [f32]) {
 }
 
 /// [`crate::q8_0::dequantize_row`]: `q·d`.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dequant_q4_0(x: &[BlockQ4_0], y: &mut [f32]) {
+    for (b, out) in x.iter().zip(y.chunks_exact_mut(QK8_0)) {
+        let d = _mm256_broadcastss_ps(f16x2_to_f32(b.d, [0; 2]));
+        let q = _mm256_sub_epi8(nibbles(&b.qs), _mm256_set1_epi8(8));
+        store_scaled_i8x32(q, d, out);
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dequant_q5_0(x: &[BlockQ5_0], y: &mut [f32]) {
+    for (b, out) in x.iter().zip(y.chunks_exact_mut(QK8_0)) {
+        let d = _mm256_broadcastss_ps(f16x2_to_f32(b.d, [0; 2]));
+        let high = _mm256_and_si256(
+            bytes_from_bits(u32::from_le_bytes(b.qh)),
+            _mm256_set1_epi8(0x10),
+        );
+        let q = _mm256_or_si256(nibbles(&b.qs), high);
+        store_scaled_i8x32(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), d, out);
+    }
+}
+
+/// Little-endian f16 (any alignment) widened by F16C, exactly.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dequant_f16(row: &[u8], y: &mut [f32]) {
+    let whole = y.len() / 8 * 8;
+    for (h, out) in row.chunks_exact(16).zip(y[..whole].chunks_exact_mut(8)) {
+        let h: &[u8; 16] = h.try_into().unwrap();
+        store_f32x8(out, _mm256_cvtph_ps(load_u8x16(h)));
+    }
+    crate::f16::dequantize_row(&row[2 * whole..], &mut y[whole..]);
+}
+
+/// Little-endian bf16 (any alignment): each value's bits moved to the top half.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dequant_bf16(row: &[u8], y: &mut [f32]) {
+    let whole = y.len() / 8 * 8;
+    for (h, out) in row.chunks_exact(16).zip(y[..whole].chunks_exact_mut(8)) {
+        let h: &[u8; 16] = h.try_into().unwrap();
+        let v = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(load_u8x16(h)));
+        store_f32x8(out, _mm256_castsi256_ps(v));
+    }
+    crate::bf16::dequantize_row(&row[2 * whole..], &mut y[whole..]);
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dequant_q8_0(x: &[BlockQ8_0], y: &mut [f32]) {
     for (b, out) in x.iter().zip(y.chunks_exact_mut(QK8_0)) {

@@ -1,0 +1,228 @@
+//! AVX2 versions of the K-quant kernels (Q4_K, Q6_K): dequantization and the
+//! dot products against Q8_K activations, bit-identical to the scalar
+//! references in [`crate::q4_k`] and [`crate::q6_k`].
+//!
+//! The dot products keep the references' eight integer lanes, lane `l` summing
+//! the elements `i ≡ l (mod 8)` of a super-block: 16 products of 4- or 6-bit
+//! quants and i8 activations are formed in i16 (|q·y| <= 32·128, and two or four
+//! of them with the same lane still fit), then widened so that i16 lane `k` of
+//! each 128-bit half lands in i32 lane `k`. Integer sums are exact in any order;
+//! the float steps are the references' own, lane for lane.
+
+use std::arch::x86_64::*;
+
+use super::{f16x2_to_f32, store_f32x8, widen8};
+use crate::q4_k::{get_scale_min_k4, BlockQ4_K};
+use crate::q6_k::BlockQ6_K;
+use crate::q8_k::BlockQ8_K;
+use crate::QK_K;
+
+/// Loads 32 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn load32<T: bytemuck::Pod>(b: &[T]) -> __m256i {
+    let b: &[u8; 32] = bytemuck::cast_slice(b)[..32].try_into().unwrap();
+    // SAFETY: `b` is 32 readable bytes; `loadu` has no alignment requirement.
+    unsafe { _mm256_loadu_si256(b.as_ptr().cast()) }
+}
+
+/// The two 16-element halves of `a·y` (32 quants, unsigned or signed, against 32
+/// i8 activations), exact in i16.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn products16<const SIGNED: bool>(a: __m256i, y: __m256i) -> [__m256i; 2] {
+    let widen = |v: __m128i| {
+        if SIGNED {
+            _mm256_cvtepi8_epi16(v)
+        } else {
+            _mm256_cvtepu8_epi16(v)
+        }
+    };
+    let (a0, a1) = (
+        widen(_mm256_castsi256_si128(a)),
+        widen(_mm256_extracti128_si256::<1>(a)),
+    );
+    let (y0, y1) = (
+        _mm256_cvtepi8_epi16(_mm256_castsi256_si128(y)),
+        _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(y)),
+    );
+    [_mm256_mullo_epi16(a0, y0), _mm256_mullo_epi16(a1, y1)]
+}
+
+/// 16 i16 values (elements `e..e + 16` of a super-block, `e` a multiple of 8)
+/// summed into eight i32 lanes by element index mod 8.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lanes_mod8(p: __m256i) -> __m256i {
+    _mm256_add_epi32(
+        _mm256_cvtepi16_epi32(_mm256_castsi256_si128(p)),
+        _mm256_cvtepi16_epi32(_mm256_extracti128_si256::<1>(p)),
+    )
+}
+
+/// [`crate::q4_k::dequantize_row`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dequant_q4_k(x: &[BlockQ4_K], y: &mut [f32]) {
+    let low = _mm256_set1_epi32(0x0F);
+    for (b, y) in x.iter().zip(y.chunks_exact_mut(QK_K)) {
+        let dm = f16x2_to_f32(b.d, b.dmin);
+        let (d, min) = (_mm_cvtss_f32(dm), _mm_cvtss_f32(_mm_movehdup_ps(dm)));
+        for (c, (q, y)) in
+            b.qs.chunks_exact(32)
+                .zip(y.chunks_exact_mut(64))
+                .enumerate()
+        {
+            let (sc1, m1) = get_scale_min_k4(2 * c, &b.scales);
+            let (sc2, m2) = get_scale_min_k4(2 * c + 1, &b.scales);
+            let (d1, m1) = (
+                _mm256_set1_ps(d * sc1 as f32),
+                _mm256_set1_ps(min * m1 as f32),
+            );
+            let (d2, m2) = (
+                _mm256_set1_ps(d * sc2 as f32),
+                _mm256_set1_ps(min * m2 as f32),
+            );
+            let q = load32(q);
+            let (ylo, yhi) = y.split_at_mut(32);
+            for k in 0..4 {
+                let v = widen8::<false>(q, k);
+                let lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
+                let hi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v));
+                store_f32x8(&mut ylo[8 * k..], _mm256_sub_ps(_mm256_mul_ps(d1, lo), m1));
+                store_f32x8(&mut yhi[8 * k..], _mm256_sub_ps(_mm256_mul_ps(d2, hi), m2));
+            }
+        }
+    }
+}
+
+/// [`crate::q4_k::vec_dot_q4_K_q8_K`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q4_k_q8_k(x: &[BlockQ4_K], y: &[BlockQ8_K]) -> f32 {
+    let low = _mm256_set1_epi8(0x0F);
+    let mut sums = _mm256_setzero_ps();
+    let mut sumf = 0.0f32;
+    for (bx, by) in x.iter().zip(y) {
+        let mut scales = [0i32; 8];
+        let mut mins = [0i32; 8];
+        for j in 0..8 {
+            let (sc, m) = get_scale_min_k4(j, &bx.scales);
+            (scales[j], mins[j]) = (sc as i32, m as i32);
+        }
+        let sumi: i32 = by
+            .bsums
+            .iter()
+            .enumerate()
+            .map(|(j, &s)| s as i32 * mins[j / 2])
+            .sum();
+        let mut aux = _mm256_setzero_si256();
+        for (c, q) in bx.qs.chunks_exact(32).enumerate() {
+            let q = load32(q);
+            let nibbles = [
+                _mm256_and_si256(q, low),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(q), low),
+            ];
+            for (h, a) in nibbles.into_iter().enumerate() {
+                let j = 2 * c + h;
+                let [p0, p1] = products16::<false>(a, load32(&by.qs[32 * j..]));
+                // Two products per i16 lane: |sum| <= 2·15·128.
+                let s = lanes_mod8(_mm256_add_epi16(p0, p1));
+                aux = _mm256_add_epi32(aux, _mm256_mullo_epi32(s, _mm256_set1_epi32(scales[j])));
+            }
+        }
+        let dm = f16x2_to_f32(bx.d, bx.dmin);
+        let d = _mm_cvtss_f32(dm) * by.d;
+        sums = _mm256_add_ps(
+            sums,
+            _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(aux)),
+        );
+        let dmin = _mm_cvtss_f32(_mm_movehdup_ps(dm)) * by.d;
+        sumf -= dmin * sumi as f32;
+    }
+    let mut lanes = [0.0f32; 8];
+    store_f32x8(&mut lanes, sums);
+    for s in lanes {
+        sumf += s;
+    }
+    sumf
+}
+
+/// The 256 quants of a Q6_K block minus 32, in element order (the layout of
+/// [`crate::q6_k`]: per half `h`, `ql[64h..]` holds elements `l` and `l + 32` in
+/// its low nibbles and `l + 64`, `l + 96` in its high ones, `qh[32h + l]` their
+/// top two bits in bit pairs 0, 1, 2, 3).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn unpack_q6_k(b: &BlockQ6_K, out: &mut [i8; QK_K]) {
+    let (low, two) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
+    for h in 0..2 {
+        let ql0 = load32(&b.ql[64 * h..]);
+        let ql1 = load32(&b.ql[64 * h + 32..]);
+        let qh = load32(&b.qh[32 * h..]);
+        // 16-bit shifts move bits across the bytes of a pair; the masks after
+        // them keep only each byte's own.
+        let top = |shift: __m128i| {
+            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srl_epi16(qh, shift), two))
+        };
+        let nib_hi = |v: __m256i| _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+        let parts = [
+            _mm256_or_si256(_mm256_and_si256(ql0, low), top(_mm_cvtsi32_si128(0))),
+            _mm256_or_si256(_mm256_and_si256(ql1, low), top(_mm_cvtsi32_si128(2))),
+            _mm256_or_si256(nib_hi(ql0), top(_mm_cvtsi32_si128(4))),
+            _mm256_or_si256(nib_hi(ql1), top(_mm_cvtsi32_si128(6))),
+        ];
+        for (k, v) in parts.into_iter().enumerate() {
+            let v = _mm256_sub_epi8(v, _mm256_set1_epi8(32));
+            let dst: &mut [i8; 32] = (&mut out[128 * h + 32 * k..][..32]).try_into().unwrap();
+            // SAFETY: `dst` is 32 writable bytes; `storeu` is unaligned.
+            unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), v) };
+        }
+    }
+}
+
+/// [`crate::q6_k::dequantize_row`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dequant_q6_k(x: &[BlockQ6_K], y: &mut [f32]) {
+    let mut q = [0i8; QK_K];
+    for (b, y) in x.iter().zip(y.chunks_exact_mut(QK_K)) {
+        let d = _mm_cvtss_f32(f16x2_to_f32(b.d, [0; 2]));
+        unpack_q6_k(b, &mut q);
+        for (g, (q, y)) in q.chunks_exact(32).zip(y.chunks_exact_mut(32)).enumerate() {
+            let q = load32(q);
+            for k in 0..4 {
+                let scale = _mm256_set1_ps(d * b.scales[(32 * g + 8 * k) / 16] as f32);
+                let v = _mm256_cvtepi32_ps(widen8::<true>(q, k));
+                store_f32x8(&mut y[8 * k..], _mm256_mul_ps(scale, v));
+            }
+        }
+    }
+}
+
+/// [`crate::q6_k::vec_dot_q6_K_q8_K`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q6_k_q8_k(x: &[BlockQ6_K], y: &[BlockQ8_K]) -> f32 {
+    let mut q = [0i8; QK_K];
+    let mut sums = _mm256_setzero_ps();
+    for (bx, by) in x.iter().zip(y) {
+        unpack_q6_k(bx, &mut q);
+        let mut aux = _mm256_setzero_si256();
+        for g in 0..8 {
+            let p = products16::<true>(load32(&q[32 * g..]), load32(&by.qs[32 * g..]));
+            for (k, p) in p.into_iter().enumerate() {
+                let scale = _mm256_set1_epi32(bx.scales[2 * g + k] as i32);
+                aux = _mm256_add_epi32(aux, _mm256_mullo_epi32(lanes_mod8(p), scale));
+            }
+        }
+        let d = _mm_cvtss_f32(f16x2_to_f32(bx.d, [0; 2])) * by.d;
+        sums = _mm256_add_ps(
+            sums,
+            _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(aux)),
+        );
+    }
+    let mut lanes = [0.0f32; 8];
+    store_f32x8(&mut lanes, sums);
+    let mut sumf = 0.0f32;
+    for s in lanes {
+        sumf += s;
+    }
+    sumf
+}
