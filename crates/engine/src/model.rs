@@ -129,8 +129,9 @@ pub(crate) struct TensorRef {
 /// remembers which tensors were bound so leftovers can be reported.
 /// Also packs every Q4_1 and Q8_0 matrix into the layout the fast path runs
 /// ([`WeightMatrix::pack_f2`]): a copy the size of those tensors, so the fast
-/// path never reads the mapped blocks (the other precisions and the embedding
-/// lookup still do).
+/// path never reads the mapped blocks, whose pages are then dropped from the
+/// resident set (the other precisions and the embedding lookup fault back in
+/// what they read).
 pub(crate) struct Binder<'g> {
     g: &'g Gguf,
     bound: Vec<bool>,
@@ -185,6 +186,7 @@ impl<'g> Binder<'g> {
             .pack_f2()
             .map(|packed| {
                 self.f2.push(packed);
+                self.g.evict(start..start + len);
                 self.f2.len() - 1
             });
         Ok(TensorRef {

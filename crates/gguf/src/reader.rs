@@ -100,6 +100,30 @@ impl Gguf {
         self.backing.bytes()
     }
 
+    /// Drops the mapped pages holding `range` of the image from this process's
+    /// resident memory, for data that has been copied elsewhere. The bytes stay
+    /// readable: a later read faults them back in from the file (usually from the
+    /// page cache). An in-memory image, or a range outside the image, is left as is.
+    pub fn evict(&self, range: std::ops::Range<usize>) {
+        #[cfg(unix)]
+        if let Backing::Mmap(m) = &self.backing {
+            if range.start < range.end && range.end <= m.len() {
+                // SAFETY: the mapping is private, read-only and never written, so
+                // MADV_DONTNEED drops only clean pages, and a later access reads
+                // the same bytes back from the file (under `open`'s contract that
+                // the file is not modified while mapped). It is a hint: failure
+                // changes nothing.
+                let _ = unsafe {
+                    m.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        range.start,
+                        range.len(),
+                    )
+                };
+            }
+        }
+    }
+
     fn parse(backing: Backing) -> Result<Self> {
         let bytes = backing.bytes();
         let mut r = Cursor { bytes, pos: 0 };

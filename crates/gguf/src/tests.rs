@@ -287,3 +287,27 @@ fn open_reports_the_path() {
     let e = Gguf::open("/nonexistent/model.gguf").err().unwrap();
     assert!(e.to_string().contains("/nonexistent/model.gguf"), "{e}");
 }
+
+#[test]
+fn evicted_pages_read_back_the_same_bytes() {
+    let dir = std::env::temp_dir().join(format!("ds4-gguf-evict-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sample.gguf");
+    let mut w = sample();
+    let big: Vec<u8> = (0..3 * 4096 + 100).map(|i| (i * 7 % 251) as u8).collect();
+    w.add_tensor("big", &[big.len() as u64], GgmlType::I8, big.clone())
+        .unwrap();
+    std::fs::write(&path, w.to_bytes().unwrap()).unwrap();
+    let g = Gguf::open(&path).unwrap();
+    let whole = g.bytes().to_vec();
+    let t = g.tensor_info("big").unwrap();
+    let start = (g.data_offset + t.offset) as usize;
+    g.evict(start + 10..start + big.len());
+    g.evict(0..whole.len() + 1); // outside the image: left as is
+    assert_eq!(g.tensor_data("big").unwrap(), big);
+    assert_eq!(g.bytes(), whole);
+    Gguf::from_bytes(whole.clone())
+        .unwrap()
+        .evict(0..whole.len());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
