@@ -96,6 +96,8 @@ pub(crate) struct Kernels {
     pub(crate) matvec_q4_1_q8_0: fn(&[q4_1::BlockQ4_1], &[BlockQ8_0], &mut [f32]),
     /// [`q8_matvec::gemm_q4_1_q8_0_ref`].
     pub(crate) gemm_q4_1_q8_0: fn(&[q4_1::BlockQ4_1], &[BlockQ8_0], usize, &mut [f32]),
+    /// [`q8_matvec::gemm_q4_1_q8_0_f2_ref`].
+    pub(crate) gemm_q4_1_q8_0_f2: fn(act16::F2Rows<'_, q4_1::BlockQ4_1>, &[BlockQ8_0], &mut [f32]),
     /// [`q8_matvec::matvec_q8_0_q8_0_ref`].
     pub(crate) matvec_q8_0_q8_0: fn(&[BlockQ8_0], &[BlockQ8_0], &mut [f32]),
     /// [`fast::gemm_tile_ref`].
@@ -161,6 +163,7 @@ pub(crate) static SCALAR: Kernels = Kernels {
     matvec_q4_1_q8_0: q8_matvec::matvec_q4_1_q8_0_ref,
     matvec_q8_0_q8_0: q8_matvec::matvec_q8_0_q8_0_ref,
     gemm_q4_1_q8_0: q8_matvec::gemm_q4_1_q8_0_ref,
+    gemm_q4_1_q8_0_f2: q8_matvec::gemm_q4_1_q8_0_f2_ref,
     gemm_tile: fast::gemm_tile_ref,
     exp_inplace: attn::exp_inplace_ref,
     attn_group_f32: attn::attn_group_ref::<f32>,

@@ -109,9 +109,11 @@ const ROW_BLOCK: usize = 64;
 /// `out[t * n_out + r] = w.row(r) · act.row(t)` for every token `t` of `act`, with
 /// activations already converted to `w.fmt.activation_format()`: each value is
 /// exactly [`crate::vec_dot`] of its row and token, however many threads and tokens.
-/// Several tokens against Q4_1 rows go through the batched
-/// [`crate::q8_matvec::gemm_q4_1_q8_0`] (weights unpacked once for all tokens);
-/// otherwise blocks of [`ROW_BLOCK`] rows meet every token.
+/// Q4_1 rows with their packed layout go through
+/// [`crate::q8_matvec::gemm_q4_1_q8_0_f2`] for any number of tokens; without it,
+/// several tokens through the batched [`crate::q8_matvec::gemm_q4_1_q8_0`]
+/// (weights unpacked once for all tokens); otherwise blocks of [`ROW_BLOCK`] rows
+/// meet every token.
 pub fn matmul(
     pool: &ThreadPool,
     w: &WeightMatrix<'_>,
@@ -126,6 +128,17 @@ pub fn matmul(
     let units = RowUnits::new(w.n_out, n_tokens, pool.n_threads());
     pool.run_dynamic(units.count, &|u| {
         let rows = units.rows(u);
+        if let (Some(f2), Some(y)) = (
+            w.f2.filter(|_| w.fmt == WeightFormat::Q4_1),
+            act.q8_0_blocks(),
+        ) {
+            if !rows.is_empty() {
+                batched_rows(w, n_tokens, rows.clone(), ptr, |local| {
+                    crate::q8_matvec::gemm_q4_1_q8_0_f2(f2.rows(rows), y, local)
+                });
+            }
+            return;
+        }
         if n_tokens > 1 {
             if let (WeightFormat::Q4_1, Some(y)) = (w.fmt, act.q8_0_blocks()) {
                 let data = &w.data[rows.start * rb..rows.end * rb];

@@ -6,6 +6,7 @@
 //! and its per-block terms between them, and are tested equal bit for bit
 //! (`tier_parity.rs`).
 
+use crate::act16::F2Rows;
 use crate::q4_1::{vec_dot_q4_1_q8_0, BlockQ4_1};
 use crate::q8_0::{vec_dot_q8_0_q8_0, BlockQ8_0};
 
@@ -104,4 +105,34 @@ pub fn gemm_q4_1_q8_0_ref(w: &[BlockQ4_1], y: &[BlockQ8_0], nb: usize, out: &mut
 #[inline]
 pub fn gemm_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], nb: usize, out: &mut [f32]) {
     (crate::kernels().gemm_q4_1_q8_0)(w, y, nb, out)
+}
+
+/// Checks a product of packed rows `w` with `y` (tokens of `w`'s blocks per row)
+/// into `out` (`tokens × rows`); returns the blocks per row.
+///
+/// # Panics
+/// If the lengths do not fit those shapes.
+pub(crate) fn check_gemm_f2(w: &F2Rows<'_, BlockQ4_1>, y: &[BlockQ8_0], out_len: usize) -> usize {
+    check_gemm(w.nb * w.n_rows, y.len(), w.nb, out_len);
+    w.nb
+}
+
+/// [`gemm_q4_1_q8_0_ref`] on rows packed as [`crate::act16::F2Matrix`] (the same
+/// blocks, read back out of the layout): the scalar tier's entry.
+///
+/// # Panics
+/// As [`gemm_q4_1_q8_0_ref`].
+pub fn gemm_q4_1_q8_0_f2_ref(w: F2Rows<'_, BlockQ4_1>, y: &[BlockQ8_0], out: &mut [f32]) {
+    let nb = check_gemm_f2(&w, y, out.len());
+    let blocks: Vec<BlockQ4_1> = (0..w.n_rows)
+        .flat_map(|r| (0..nb).map(move |b| w.block(r, b)))
+        .collect();
+    gemm_q4_1_q8_0_ref(&blocks, y, nb, out)
+}
+
+/// [`gemm_q4_1_q8_0_f2_ref`] by the selected tier, bit for bit: what the Q8 path
+/// runs a Q4_1 matrix with its packed layout through, any number of tokens.
+#[inline]
+pub fn gemm_q4_1_q8_0_f2(w: F2Rows<'_, BlockQ4_1>, y: &[BlockQ8_0], out: &mut [f32]) {
+    (crate::kernels().gemm_q4_1_q8_0_f2)(w, y, out)
 }

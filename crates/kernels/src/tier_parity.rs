@@ -901,11 +901,13 @@ fn q8_matvecs_are_bit_identical_on_every_tier() {
 }
 
 /// The batched Q4_1 x Q8_0 product gives every (token, row) exactly the scalar
-/// dot product, on every tier, over token and row counts around its groups.
+/// dot product, on every tier, over token and row counts around its groups and
+/// rows longer than 256 blocks; from the GGUF blocks and from the packed layout
+/// (whole, and a range of rows not starting at 0).
 #[test]
 fn q8_gemm_is_bit_identical_on_every_tier() {
     let mut rng = XorShift::new(165);
-    for nb in [1, 3, 8, 9, 18, 48] {
+    for nb in [1, 3, 8, 9, 18, 48, 300] {
         for n_rows in [1, 4, 6, 9] {
             for n_tok in [1, 2, 3, 7] {
                 let w: Vec<BlockQ4_1> = random_blocks(&mut rng, nb * n_rows, 2, Scales::Typical);
@@ -923,12 +925,21 @@ fn q8_gemm_is_bit_identical_on_every_tier() {
                     (k.gemm_q4_1_q8_0)(&[], &y, nb, &mut []);
                     let mut got = vec![f32::NAN; n_tok * n_rows];
                     (k.gemm_q4_1_q8_0)(&w, &y, nb, &mut got);
-                    assert_eq!(
-                        bits(&got),
-                        bits(&want),
-                        "[{}] {nb} blocks, {n_rows} rows, {n_tok} tokens",
-                        k.tier
-                    );
+                    let case = format!("[{}] {nb} blocks, {n_rows} rows, {n_tok} tokens", k.tier);
+                    assert_eq!(bits(&got), bits(&want), "{case}");
+                    // The same rows packed, whole and without the first row.
+                    let f2 = crate::act16::F2Matrix::pack(&w, nb);
+                    got.fill(f32::NAN);
+                    (k.gemm_q4_1_q8_0_f2)(f2.rows(0..n_rows), &y, &mut got);
+                    assert_eq!(bits(&got), bits(&want), "packed {case}");
+                    let tail = n_rows - 1;
+                    let mut got = vec![f32::NAN; n_tok * tail];
+                    (k.gemm_q4_1_q8_0_f2)(f2.rows(1..n_rows), &y, &mut got);
+                    let want_tail: Vec<f32> = want
+                        .chunks_exact(n_rows)
+                        .flat_map(|t| t[1..].to_vec())
+                        .collect();
+                    assert_eq!(bits(&got), bits(&want_tail), "packed rows 1.. {case}");
                 }
             }
         }
@@ -1234,6 +1245,18 @@ fn bench_fast() {
         let (p4, p8) = (
             crate::act16::F2Matrix::pack(&w4, nb),
             crate::act16::F2Matrix::pack(&w8, nb),
+        );
+        let mut y8 = vec![BlockQ8_0::ZERO; nb];
+        q8_0::quantize_row_ref(&x, &mut y8);
+        let q8_blocks = best_ns(|| (k.matvec_q4_1_q8_0)(black_box(&w4), &y8, &mut out));
+        let q8_packed =
+            best_ns(|| (k.gemm_q4_1_q8_0_f2)(black_box(p4.rows(0..n_out)), &y8, &mut out));
+        println!(
+            "{n_in}x{n_out} [{}] one token, Q8 activations, q4_1 from blocks / packed: \
+             {:8.1} / {:8.1} us",
+            k.tier,
+            q8_blocks / 1e3,
+            q8_packed / 1e3
         );
         let f2_4 = best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..n_out)), &a1, &mut out));
         let f2_8 = best_ns(|| (k.gemm_q8_0_act16)(black_box(p8.rows(0..n_out)), &a1, &mut out));

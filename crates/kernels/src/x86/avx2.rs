@@ -55,6 +55,7 @@ pub(super) static KERNELS: Kernels = Kernels {
     matvec_q4_1_q8_0,
     matvec_q8_0_q8_0,
     gemm_q4_1_q8_0,
+    gemm_q4_1_q8_0_f2,
     gemm_tile,
     exp_inplace,
     attn_group_f32: attn_group_checked::<f32>,
@@ -214,8 +215,8 @@ fn matvec_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], out: &mut [f32]) {
     if nb == 0 {
         return crate::q8_matvec::matvec_q4_1_q8_0_ref(w, y, out);
     }
-    // SAFETY: see above; the shapes were checked, as `mvq_q4_1` requires.
-    unsafe { mvq_q4_1(w, nb, y, out) }
+    // SAFETY: see above; the shapes were checked, as `gemq_q4_1` requires.
+    unsafe { gemq_q4_1(Q4_1Blocks { w, nb }, nb, y, out) }
 }
 
 fn gemm_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], nb: usize, out: &mut [f32]) {
@@ -223,6 +224,13 @@ fn gemm_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], nb: usize, out: &mut [f32]) 
     if nb == 0 {
         return crate::q8_matvec::gemm_q4_1_q8_0_ref(w, y, nb, out);
     }
+    // SAFETY: see above; the shapes were checked, as `gemq_q4_1` requires.
+    unsafe { gemq_q4_1(Q4_1Blocks { w, nb }, nb, y, out) }
+}
+
+/// [`gemm_q4_1_q8_0`] on packed rows.
+fn gemm_q4_1_q8_0_f2(w: F2Rows<'_, BlockQ4_1>, y: &[BlockQ8_0], out: &mut [f32]) {
+    let nb = crate::q8_matvec::check_gemm_f2(&w, y, out.len());
     // SAFETY: see above; the shapes were checked, as `gemq_q4_1` requires.
     unsafe { gemq_q4_1(w, nb, y, out) }
 }
@@ -708,10 +716,6 @@ fn has_min_quant(y: &[BlockQ8_0]) -> bool {
         .any(|b| _mm256_movemask_epi8(_mm256_cmpeq_epi8(load_i8x32(&b.qs), min)) != 0)
 }
 
-/// Most blocks per row [`mvq_q4_1`] prepares activations for on the stack (rows of
-/// up to 8192 elements); longer rows go one at a time through [`dot_q4_1_q8_0`].
-const MVQ_MAX_BLOCKS: usize = 256;
-
 /// The activation side of Q4_1 x Q8_0 products, prepared once for every row that
 /// meets it: per eight blocks the terms `dy` and `s = sum8·dy` (as
 /// [`dot_q4_1_q8_0`] forms them), and the quants rearranged by block pairs, pair
@@ -754,25 +758,110 @@ struct Q4_1Chunk {
     m: __m256,
 }
 
+impl Q4_1Chunk {
+    // SAFETY: all-zero bits are a valid value of every SIMD vector type.
+    const ZERO: Self = unsafe { std::mem::zeroed() };
+}
+
+/// Rows of Q4_1 blocks as the Q8-activation kernels read them: the GGUF blocks
+/// or the packed [`crate::act16::F2Matrix`] layout, with the same values.
+trait Q4_1Source: Copy {
+    /// Rows held.
+    fn n_rows(&self) -> usize;
+    /// Blocks `8c..8c + len` of row `r`, unpacked.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C.
+    unsafe fn chunk(&self, r: usize, c: usize, len: usize) -> Q4_1Chunk;
+    /// The bytes of rows `r..r + n` (what decode prefetches).
+    fn rows_bytes(&self, r: usize, n: usize) -> &[u8];
+}
+
+/// GGUF blocks, rows of `nb` back to back.
+#[derive(Clone, Copy)]
+struct Q4_1Blocks<'a> {
+    w: &'a [BlockQ4_1],
+    nb: usize,
+}
+
+impl Q4_1Source for Q4_1Blocks<'_> {
+    fn n_rows(&self) -> usize {
+        self.w.len() / self.nb
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn chunk(&self, r: usize, c: usize, len: usize) -> Q4_1Chunk {
+        let xc = &self.w[r * self.nb + 8 * c..][..len];
+        let mut nibbles = [[_mm256_setzero_si256(); 2]; 4];
+        for (n, xp) in nibbles.iter_mut().zip(xc.chunks(2)) {
+            let hi_block = xp.get(1).map_or(_mm_setzero_si128(), |b| load_u8x16(&b.qs));
+            *n = split_nibbles(_mm256_set_m128i(hi_block, load_u8x16(&xp[0].qs)));
+        }
+        let head = chunk_heads(xc);
+        Q4_1Chunk {
+            nibbles,
+            d: f16_lo(head),
+            m: f16_hi(head),
+        }
+    }
+
+    fn rows_bytes(&self, r: usize, n: usize) -> &[u8] {
+        bytemuck::cast_slice(&self.w[r * self.nb..(r + n) * self.nb])
+    }
+}
+
+impl Q4_1Source for F2Rows<'_, BlockQ4_1> {
+    fn n_rows(&self) -> usize {
+        self.n_rows
+    }
+
+    /// The chunk's heads are one load each, and each pair of blocks' quants one
+    /// 256-bit load (they lie back to back).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn chunk(&self, r: usize, c: usize, len: usize) -> Q4_1Chunk {
+        const HEAD: usize = <BlockQ4_1 as F2Block>::HEAD_BYTES;
+        let at = r * self.row_bytes() + c * (HEAD + CHUNK * 16);
+        let chunk = &self.bytes[at..at + HEAD + 16 * len];
+        let heads: &[u8; 32] = chunk[..HEAD].try_into().unwrap();
+        let mut nibbles = [[_mm256_setzero_si256(); 2]; 4];
+        for (p, n) in nibbles.iter_mut().enumerate().take(len.div_ceil(2)) {
+            let q = &chunk[HEAD + 32 * p..];
+            let q = if q.len() >= 32 {
+                let q: &[u8; 32] = q[..32].try_into().unwrap();
+                // SAFETY: `q` is 32 readable bytes; `loadu` is unaligned.
+                unsafe { _mm256_loadu_si256(q.as_ptr().cast()) }
+            } else {
+                _mm256_zextsi128_si256(load_u8x16(q[..16].try_into().unwrap()))
+            };
+            *n = split_nibbles(q);
+        }
+        // SAFETY: `heads` is 32 readable bytes: eight f16 `d`, then eight `m`.
+        let (d, m) = unsafe {
+            (
+                _mm256_cvtph_ps(_mm_loadu_si128(heads.as_ptr().cast())),
+                _mm256_cvtph_ps(_mm_loadu_si128(heads.as_ptr().add(16).cast())),
+            )
+        };
+        Q4_1Chunk { nibbles, d, m }
+    }
+
+    fn rows_bytes(&self, r: usize, n: usize) -> &[u8] {
+        let rb = self.row_bytes();
+        &self.bytes[r * rb..(r + n) * rb]
+    }
+}
+
+/// The low and high nibbles of 32 bytes, as bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn unpack_q4_1_chunk(xc: &[BlockQ4_1]) -> Q4_1Chunk {
+fn split_nibbles(q: __m256i) -> [__m256i; 2] {
     let low = _mm256_set1_epi8(0x0F);
-    let mut nibbles = [[_mm256_setzero_si256(); 2]; 4];
-    for (n, xp) in nibbles.iter_mut().zip(xc.chunks(2)) {
-        let hi_block = xp.get(1).map_or(_mm_setzero_si128(), |b| load_u8x16(&b.qs));
-        let q = _mm256_set_m128i(hi_block, load_u8x16(&xp[0].qs));
-        *n = [
-            _mm256_and_si256(q, low),
-            _mm256_and_si256(_mm256_srli_epi16::<4>(q), low),
-        ];
-    }
-    let head = chunk_heads(xc);
-    Q4_1Chunk {
-        nibbles,
-        d: f16_lo(head),
-        m: f16_hi(head),
-    }
+    [
+        _mm256_and_si256(q, low),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(q), low),
+    ]
 }
 
 /// The float terms `(dx·dy)·sumi + m·s` of the `2·n_pairs` (at most eight)
@@ -806,48 +895,6 @@ fn q4_1_pair_terms(x: &Q4_1Chunk, n_pairs: usize, yp: &[[__m256i; 2]], t: [__m25
     )
 }
 
-/// [`crate::q8_matvec::matvec_q4_1_q8_0_ref`] for rows of `nb` blocks: four rows
-/// at a time, each with the arithmetic of [`dot_q4_1_q8_0`] (exact integer block
-/// sums, float terms eight blocks wide, the serial sum in block order), the
-/// activations prepared once ([`prepare_q8_acts`]) and the four serial sums in
-/// the lanes of one register.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn mvq_q4_1(w: &[BlockQ4_1], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
-    if nb > MVQ_MAX_BLOCKS {
-        for (row, o) in w.chunks_exact(nb).zip(out.iter_mut()) {
-            *o = dot_q4_1_q8_0(row, y);
-        }
-        return;
-    }
-    let n_chunks = nb.div_ceil(8);
-    let mut terms = [[_mm256_setzero_ps(); 2]; MVQ_MAX_BLOCKS / 8];
-    let mut pairs = [[_mm256_setzero_si256(); 2]; MVQ_MAX_BLOCKS / 2];
-    prepare_q8_acts(y, &mut terms, &mut pairs);
-    let mut rows = w.chunks_exact(4 * nb);
-    let mut outs = out.chunks_exact_mut(4);
-    for (w4, o4) in rows.by_ref().zip(outs.by_ref()) {
-        let mut sumf = _mm_setzero_ps();
-        let ahead = Prefetch::new(w4, 2, n_chunks);
-        for c in 0..n_chunks {
-            ahead.step(c);
-            let len = (nb - 8 * c).min(8);
-            let (n_pairs, yp) = (len.div_ceil(2), &pairs[4 * c..]);
-            let xc = |r: usize| &w4[r * nb + 8 * c..][..len];
-            let t = [
-                q4_1_pair_terms(&unpack_q4_1_chunk(xc(0)), n_pairs, yp, terms[c]),
-                q4_1_pair_terms(&unpack_q4_1_chunk(xc(1)), n_pairs, yp, terms[c]),
-                q4_1_pair_terms(&unpack_q4_1_chunk(xc(2)), n_pairs, yp, terms[c]),
-                q4_1_pair_terms(&unpack_q4_1_chunk(xc(3)), n_pairs, yp, terms[c]),
-            ];
-            sumf = add_in_order_x4(sumf, &t, len);
-        }
-        store_f32x4(o4, sumf);
-    }
-    for (row, o) in rows.remainder().chunks_exact(nb).zip(outs.into_remainder()) {
-        *o = dot_q4_1_q8_0(row, y);
-    }
-}
-
 /// Per-thread scratch of [`gemq_q4_1`]: every token's prepared activations and
 /// running sums.
 #[derive(Default)]
@@ -862,23 +909,20 @@ thread_local! {
         std::cell::RefCell::new(GemqScratch::default());
 }
 
-/// [`crate::q8_matvec::gemm_q4_1_q8_0_ref`]: the rows of `w` (`nb` blocks each)
-/// against every token of `y`, each value with exactly the arithmetic of
-/// [`mvq_q4_1`] (and so of [`dot_q4_1_q8_0`]). Every token's activations are
-/// prepared once; then, four rows and eight blocks at a time, the rows' nibbles
-/// and scales are unpacked once and met by every token, each token's four serial
-/// sums carried in its own register across the chunks.
+/// [`crate::q8_matvec::gemm_q4_1_q8_0_ref`] (and with one token
+/// [`crate::q8_matvec::matvec_q4_1_q8_0_ref`]): the rows of `w` (`nb` blocks each)
+/// against every token of `y`, each value with the arithmetic of
+/// [`dot_q4_1_q8_0`] (exact integer block sums, float terms eight blocks wide,
+/// the serial sum in block order). Every token's activations are prepared once
+/// ([`prepare_q8_acts`]); then, four rows and eight blocks at a time, the rows'
+/// nibbles and scales are unpacked once and met by every token, each token's four
+/// serial sums carried in the lanes of one register (a last group of fewer rows
+/// adds zeros in the missing lanes). One token (decode) prefetches the rows two
+/// groups ahead.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn gemq_q4_1(w: &[BlockQ4_1], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
-    let n_tok = y.len() / nb;
-    let n_rows = w.len() / nb;
-    if n_rows == 0 {
-        return;
-    }
-    if nb > MVQ_MAX_BLOCKS || n_tok < 2 {
-        for (yt, ot) in y.chunks_exact(nb).zip(out.chunks_exact_mut(n_rows)) {
-            mvq_q4_1(w, nb, yt, ot);
-        }
+fn gemq_q4_1<S: Q4_1Source>(w: S, nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
+    let (n_tok, n_rows) = (y.len() / nb, w.n_rows());
+    if n_rows == 0 || n_tok == 0 {
         return;
     }
     let (n_chunks, n_pairs) = (nb.div_ceil(8), nb.div_ceil(2));
@@ -894,47 +938,54 @@ fn gemq_q4_1(w: &[BlockQ4_1], nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
         {
             prepare_q8_acts(yt, terms, pairs);
         }
-        let groups = n_rows / 4;
-        for g in 0..groups {
-            let w4 = &w[4 * g * nb..4 * (g + 1) * nb];
-            sc.sums.fill(_mm_setzero_ps());
+        for r0 in (0..n_rows).step_by(4) {
+            let valid = (n_rows - r0).min(4);
+            let ahead = Prefetch::new(w.rows_bytes(r0, valid), 2, n_chunks);
+            sc.sums[..n_tok].fill(_mm_setzero_ps());
             for c in 0..n_chunks {
+                if n_tok == 1 {
+                    ahead.step(c);
+                }
                 let len = (nb - 8 * c).min(8);
-                let xc = |r: usize| &w4[r * nb + 8 * c..][..len];
-                let x = [
-                    unpack_q4_1_chunk(xc(0)),
-                    unpack_q4_1_chunk(xc(1)),
-                    unpack_q4_1_chunk(xc(2)),
-                    unpack_q4_1_chunk(xc(3)),
-                ];
-                for (t, sumf) in sc.sums.iter_mut().enumerate() {
+                let n_p = len.div_ceil(2);
+                let mut terms = [_mm256_setzero_ps(); 4];
+                if n_tok == 1 {
+                    // Each row's chunk is unpacked and met at once (keeping four
+                    // unpacked chunks alive would spill them).
+                    let (yp, tc) = (&sc.pairs[4 * c..n_pairs], sc.terms[c]);
+                    for (r, t) in terms.iter_mut().enumerate().take(valid) {
+                        // SAFETY: AVX2, FMA and F16C are enabled here.
+                        let x = unsafe { w.chunk(r0 + r, c, len) };
+                        *t = q4_1_pair_terms(&x, n_p, yp, tc);
+                    }
+                    sc.sums[0] = add_in_order_x4(sc.sums[0], &terms, len);
+                    continue;
+                }
+                let mut x = [Q4_1Chunk::ZERO; 4];
+                for (r, x) in x.iter_mut().enumerate().take(valid) {
+                    // SAFETY: AVX2, FMA and F16C are enabled here.
+                    *x = unsafe { w.chunk(r0 + r, c, len) };
+                }
+                for (t, sumf) in sc.sums[..n_tok].iter_mut().enumerate() {
                     let yp = &sc.pairs[t * n_pairs + 4 * c..(t + 1) * n_pairs];
                     let tc = sc.terms[t * n_chunks + c];
-                    let n_p = len.div_ceil(2);
-                    let terms = [
-                        q4_1_pair_terms(&x[0], n_p, yp, tc),
-                        q4_1_pair_terms(&x[1], n_p, yp, tc),
-                        q4_1_pair_terms(&x[2], n_p, yp, tc),
-                        q4_1_pair_terms(&x[3], n_p, yp, tc),
-                    ];
+                    for (t, x) in terms.iter_mut().zip(&x).take(valid) {
+                        *t = q4_1_pair_terms(x, n_p, yp, tc);
+                    }
                     *sumf = add_in_order_x4(*sumf, &terms, len);
                 }
             }
-            for (t, sumf) in sc.sums.iter().enumerate() {
-                store_f32x4(&mut out[t * n_rows + 4 * g..], *sumf);
-            }
-        }
-        for r in 4 * groups..n_rows {
-            let row = &w[r * nb..(r + 1) * nb];
-            for (t, yt) in y.chunks_exact(nb).enumerate() {
-                out[t * n_rows + r] = dot_q4_1_q8_0(row, yt);
+            for (t, sumf) in sc.sums[..n_tok].iter().enumerate() {
+                let mut lanes = [0.0f32; 4];
+                store_f32x4(&mut lanes, *sumf);
+                out[t * n_rows + r0..t * n_rows + r0 + valid].copy_from_slice(&lanes[..valid]);
             }
         }
     });
 }
 
 /// [`crate::q8_matvec::matvec_q8_0_q8_0_ref`] for rows of `nb` blocks, four rows
-/// at a time like [`mvq_q4_1`], each like [`dot_q8_0_q8_0`]; the sign trick of
+/// at a time like [`gemq_q4_1`], each like [`dot_q8_0_q8_0`]; the sign trick of
 /// [`q8_0_terms`] unless an activation quant is -128 (never, for activations
 /// from [`crate::q8_0::quantize_row_ref`], whose quants lie in -127..=127).
 #[target_feature(enable = "avx2,fma,f16c")]
