@@ -1,5 +1,5 @@
 //! BF16 (ggml type 30): little-endian bfloat16, the top half of an f32.
-//! Scalar reference, no SIMD.
+//! Scalar reference (the AVX2 tier has its own `dequantize_row`, in `x86/avx2.rs`).
 //!
 //! Differs from ggml on purpose: ggml dots BF16 weights with activations
 //! rounded to BF16 (`vec_dot_type = BF16`); [`vec_dot_bf16_f32`] keeps the

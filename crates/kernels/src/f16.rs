@@ -1,4 +1,5 @@
-//! F16 (ggml type 1): little-endian IEEE binary16. Scalar reference, no SIMD.
+//! F16 (ggml type 1): little-endian IEEE binary16. Scalar reference (the AVX2
+//! tier has its own `dequantize_row`, in `x86/avx2.rs`).
 //!
 //! Also the f16 scale fields of every quantized block (`d`, `m`, `dmin`),
 //! which are stored as `[u8; 2]` and read with [`fp16_to_fp32`].

@@ -1,5 +1,5 @@
 //! Q4_0 (ggml type 2): blocks of 32 weights, one f16 scale `d` and 4-bit
-//! quants `q`; weight value `(q - 8)·d`. Scalar reference, no SIMD.
+//! quants `q`; weight value `(q - 8)·d`. Scalar reference (AVX2 versions: `x86/avx2.rs`).
 //!
 //! Nibble order (ggml): byte `qs[j]` holds element `j` in its low nibble and
 //! element `j + 16` in its high nibble. Follows ggml's `block_q4_0`,

@@ -1,7 +1,7 @@
 //! Q4_K (ggml type 12): super-blocks of 256 weights in 8 sub-blocks of 32.
 //! Each sub-block `j` has a 6-bit scale `sc[j]` and 6-bit min `m[j]`; the
 //! super-block has f16 `d` and `dmin`. Weight value: `(d·sc)·q - (dmin·m)` with
-//! 4-bit `q`. Scalar reference, no SIMD.
+//! 4-bit `q`. Scalar reference (AVX2 versions: `x86/avx2/kquants.rs`).
 //!
 //! Layout (ggml): `qs` is 4 chunks of 32 bytes; chunk `c` holds sub-block
 //! `2c` in its low nibbles and sub-block `2c + 1` in its high nibbles.

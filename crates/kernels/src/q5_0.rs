@@ -1,5 +1,5 @@
 //! Q5_0 (ggml type 6): blocks of 32 weights, one f16 scale `d` and 5-bit
-//! quants `q`; weight value `(q - 16)·d`. Scalar reference, no SIMD.
+//! quants `q`; weight value `(q - 16)·d`. Scalar reference (AVX2 versions: `x86/avx2.rs`).
 //!
 //! The low 4 bits are packed like Q4_0 (low nibble element `j`, high nibble
 //! `j + 16`); bit 4 of element `i` is bit `i` of the little-endian u32 `qh`.

@@ -1,6 +1,7 @@
 //! Q6_K (ggml type 14): super-blocks of 256 weights in 16 sub-blocks of 16.
 //! Each sub-block has a signed 8-bit scale; the super-block has an f16 `d`.
-//! Weight value: `(d·scale)·(q - 32)` with 6-bit `q`. Scalar reference, no SIMD.
+//! Weight value: `(d·scale)·(q - 32)` with 6-bit `q`. Scalar reference (AVX2:
+//! `x86/avx2/kquants.rs`).
 //!
 //! Layout (ggml): two halves of 128 weights; half `h` uses `ql[64h..64h+64]`
 //! and `qh[32h..32h+32]`. Within a half, for `l` in 0..32, the four weights
