@@ -204,6 +204,8 @@ pub trait F2Block: bytemuck::Pod + sealed::Sealed {
     /// Bytes of f16 heads per chunk of eight blocks in [`F2Matrix`]: eight `d`s,
     /// and with a minimum eight `m`s.
     const HEAD_BYTES: usize = if Self::HAS_MIN { 32 } else { 16 };
+    /// Bytes of a whole chunk (heads and eight blocks' quants) in [`F2Matrix`].
+    const CHUNK_BYTES: usize = Self::HEAD_BYTES + CHUNK * Self::QUANT_BYTES;
     #[doc(hidden)]
     fn quants(&self) -> [i32; QK_ACT16];
     #[doc(hidden)]
@@ -355,11 +357,6 @@ impl F2Matrix {
         self.has_min
     }
 
-    /// Bytes held.
-    pub fn byte_len(&self) -> usize {
-        self.bytes.len()
-    }
-
     /// Rows `rows` as blocks of `B`.
     ///
     /// # Panics
@@ -398,7 +395,7 @@ impl<B: F2Block> F2Rows<'_, B> {
     /// Block `b` of row `r`, as it was packed.
     pub(crate) fn block(&self, r: usize, b: usize) -> B {
         let (c, j) = (b / CHUNK, b % CHUNK);
-        let chunk = r * self.row_bytes() + c * (B::HEAD_BYTES + CHUNK * B::QUANT_BYTES);
+        let chunk = r * self.row_bytes() + c * B::CHUNK_BYTES;
         let head = |k: usize| {
             let at = chunk + k * 2 * CHUNK + 2 * j;
             [self.bytes[at], self.bytes[at + 1]]

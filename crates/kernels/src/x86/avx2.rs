@@ -758,11 +758,6 @@ struct Q4_1Chunk {
     m: __m256,
 }
 
-impl Q4_1Chunk {
-    // SAFETY: all-zero bits are a valid value of every SIMD vector type.
-    const ZERO: Self = unsafe { std::mem::zeroed() };
-}
-
 /// Rows of Q4_1 blocks as the Q8-activation kernels read them: the GGUF blocks
 /// or the packed [`crate::act16::F2Matrix`] layout, with the same values.
 trait Q4_1Source: Copy {
@@ -822,9 +817,8 @@ impl Q4_1Source for F2Rows<'_, BlockQ4_1> {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn chunk(&self, r: usize, c: usize, len: usize) -> Q4_1Chunk {
         const HEAD: usize = <BlockQ4_1 as F2Block>::HEAD_BYTES;
-        let at = r * self.row_bytes() + c * (HEAD + CHUNK * 16);
+        let at = r * self.row_bytes() + c * <BlockQ4_1 as F2Block>::CHUNK_BYTES;
         let chunk = &self.bytes[at..at + HEAD + 16 * len];
-        let heads: &[u8; 32] = chunk[..HEAD].try_into().unwrap();
         let mut nibbles = [[_mm256_setzero_si256(); 2]; 4];
         for (p, n) in nibbles.iter_mut().enumerate().take(len.div_ceil(2)) {
             let q = &chunk[HEAD + 32 * p..];
@@ -837,13 +831,7 @@ impl Q4_1Source for F2Rows<'_, BlockQ4_1> {
             };
             *n = split_nibbles(q);
         }
-        // SAFETY: `heads` is 32 readable bytes: eight f16 `d`, then eight `m`.
-        let (d, m) = unsafe {
-            (
-                _mm256_cvtph_ps(_mm_loadu_si128(heads.as_ptr().cast())),
-                _mm256_cvtph_ps(_mm_loadu_si128(heads.as_ptr().add(16).cast())),
-            )
-        };
+        let (d, m) = f2_heads::<BlockQ4_1>(chunk);
         Q4_1Chunk { nibbles, d, m }
     }
 
@@ -961,7 +949,12 @@ fn gemq_q4_1<S: Q4_1Source>(w: S, nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
                     sc.sums[0] = add_in_order_x4(sc.sums[0], &terms, len);
                     continue;
                 }
-                let mut x = [Q4_1Chunk::ZERO; 4];
+                let none = Q4_1Chunk {
+                    nibbles: [[_mm256_setzero_si256(); 2]; 4],
+                    d: _mm256_setzero_ps(),
+                    m: _mm256_setzero_ps(),
+                };
+                let mut x = [none; 4];
                 for (r, x) in x.iter_mut().enumerate().take(valid) {
                     // SAFETY: AVX2, FMA and F16C are enabled here.
                     *x = unsafe { w.chunk(r0 + r, c, len) };
@@ -1242,7 +1235,8 @@ fn quant_q8_0(x: &[f32], y: &mut [BlockQ8_0]) {
 
 /// The f16 heads (first 4 bytes) of up to eight blocks, one per 32-bit lane,
 /// zeros past `xc.len()`: a full chunk by one `vpgatherdd` (measured ~3% faster
-/// on decode than [`gather_head`], unlike in that helper's other callers).
+/// than [`gather_head`] in the F2 decode kernel when it still read GGUF blocks;
+/// the Q8 path's Q4_1 kernel reads blocks this way when no packed layout exists).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn chunk_heads<T: bytemuck::Pod>(xc: &[T]) -> __m256i {
@@ -1370,6 +1364,22 @@ fn quant_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
     }
 }
 
+/// The `d`s and (with a minimum; zeros otherwise) `m`s of a packed chunk that
+/// starts `chunk`, widened.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f2_heads<B: F2Block>(chunk: &[u8]) -> (__m256, __m256) {
+    let heads = &chunk[..B::HEAD_BYTES];
+    let d: &[u8; 16] = heads[..16].try_into().unwrap();
+    let d = _mm256_cvtph_ps(load_u8x16(d));
+    let m = if B::HAS_MIN {
+        _mm256_cvtph_ps(load_u8x16(heads[16..32].try_into().unwrap()))
+    } else {
+        _mm256_setzero_ps()
+    };
+    (d, m)
+}
+
 /// One tile of order F2: `R` packed rows of `nb` blocks (back to back in
 /// `group`, `row_bytes` each) against `T` activation rows, every pair in its own
 /// 8-lane accumulator. Per chunk of eight blocks each row's `d` and `m` are one
@@ -1389,7 +1399,6 @@ fn tile16<B: Block16, const R: usize, const T: usize>(
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let mut macc = [[_mm256_setzero_ps(); T]; R];
     let n_chunks = nb.div_ceil(CHUNK);
-    let chunk_bytes = B::HEAD_BYTES + CHUNK * B::QUANT_BYTES;
     let ahead = Prefetch::new(&group[..R * row_bytes], 2, n_chunks);
     for c in 0..n_chunks {
         if T == 1 {
@@ -1399,19 +1408,10 @@ fn tile16<B: Block16, const R: usize, const T: usize>(
         let mut cs = [[[0.0f32; CHUNK]; T]; R];
         let mut quants = [std::ptr::null::<u8>(); R];
         for r in 0..R {
-            let chunk =
-                &group[r * row_bytes + c * chunk_bytes..][..B::HEAD_BYTES + len * B::QUANT_BYTES];
+            let chunk = &group[r * row_bytes + c * B::CHUNK_BYTES..]
+                [..B::HEAD_BYTES + len * B::QUANT_BYTES];
             quants[r] = chunk[B::HEAD_BYTES..].as_ptr();
-            // SAFETY: a chunk starts with 8 f16 `d`s, then (with a minimum) 8 `m`s.
-            let (d, m) = unsafe {
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(chunk.as_ptr().cast()));
-                let m = if B::HAS_MIN {
-                    _mm256_cvtph_ps(_mm_loadu_si128(chunk.as_ptr().add(16).cast()))
-                } else {
-                    _mm256_setzero_ps()
-                };
-                (d, m)
-            };
+            let (d, m) = f2_heads::<B>(chunk);
             for t in 0..T {
                 let s = load_f32x8(&toks[t].scale[CHUNK * c..]);
                 store_f32x8(&mut cs[r][t], _mm256_mul_ps(d, s));

@@ -11,7 +11,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{f16x2_to_f32, store_f32x8, widen8};
+use super::{f16x2_to_f32, split_nibbles, store_f32x8, widen8};
 use crate::q4_k::{get_scale_min_k4, BlockQ4_K};
 use crate::q6_k::BlockQ6_K;
 use crate::q8_k::BlockQ8_K;
@@ -98,7 +98,6 @@ pub(super) fn dequant_q4_k(x: &[BlockQ4_K], y: &mut [f32]) {
 /// [`crate::q4_k::vec_dot_q4_K_q8_K`].
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn dot_q4_k_q8_k(x: &[BlockQ4_K], y: &[BlockQ8_K]) -> f32 {
-    let low = _mm256_set1_epi8(0x0F);
     let mut sums = _mm256_setzero_ps();
     let mut sumf = 0.0f32;
     for (bx, by) in x.iter().zip(y) {
@@ -117,11 +116,7 @@ pub(super) fn dot_q4_k_q8_k(x: &[BlockQ4_K], y: &[BlockQ8_K]) -> f32 {
         let mut aux = _mm256_setzero_si256();
         for (c, q) in bx.qs.chunks_exact(32).enumerate() {
             let q = load32(q);
-            let nibbles = [
-                _mm256_and_si256(q, low),
-                _mm256_and_si256(_mm256_srli_epi16::<4>(q), low),
-            ];
-            for (h, a) in nibbles.into_iter().enumerate() {
+            for (h, a) in split_nibbles(q).into_iter().enumerate() {
                 let j = 2 * c + h;
                 let [p0, p1] = products16::<false>(a, load32(&by.qs[32 * j..]));
                 // Two products per i16 lane: |sum| <= 2·15·128.
