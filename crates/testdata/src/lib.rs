@@ -1,6 +1,7 @@
 //! Test-only locations: the real models under `$DS4_HOME/models` (the layout
 //! `ds4 model pull` writes; `scripts/test.sh` pulls before testing) and the golden
-//! vectors in the read-only `shared/` folder beside the repository.
+//! vectors copied into the repository (`tests/vectors/`, with their provenance and
+//! checksums), so a clone tests itself.
 
 use std::path::PathBuf;
 
@@ -25,9 +26,9 @@ pub fn model_path(file: &str) -> PathBuf {
     path
 }
 
-/// `shared/vectors/<sub>`, next to the repository root.
+/// `tests/vectors/<sub>` in the repository.
 pub fn vectors_dir(sub: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/vectors")
+        .join("../../tests/vectors")
         .join(sub)
 }
