@@ -11,7 +11,8 @@ use ds4_chat::{ChatMl, Message, RenderOptions, Role, Template};
 use ds4_engine::sampler::{argmax, log_softmax, top_k};
 use ds4_engine::tokenizer::StreamDecoder;
 use ds4_engine::{
-    KvType, Model, Precision, Sampler, SamplerConfig, Session, SessionOptions, ThreadPool,
+    KvType, Model, Precision, RopeRequest, Sampler, SamplerConfig, Session, SessionOptions,
+    ThreadPool,
 };
 use serde::Serialize;
 
@@ -115,8 +116,7 @@ pub struct Loaded {
 pub fn load(a: &ModelArgs) -> Result<Loaded> {
     let path = models::resolve(a.model.as_deref())?;
     let t = Instant::now();
-    let model =
-        Arc::new(Model::load(&path).with_context(|| format!("loading {}", path.display()))?);
+    let model = Arc::new(a.load_model(&path)?);
     let threads = thread_count(a);
     let opts = SessionOptions {
         n_ctx: a.ctx,
@@ -124,14 +124,15 @@ pub fn load(a: &ModelArgs) -> Result<Loaded> {
         precision: a.precision(),
         kv_type: a.kv_type(),
     };
-    let session = Session::new(
+    let session = Session::try_new(
         Arc::clone(&model),
         Arc::new(ThreadPool::new(threads)),
         &opts,
-    );
+    )
+    .with_context(|| format!("--ctx {}", a.ctx))?;
     let hp = &model.hparams;
     eprintln!(
-        "loaded {} ({}, {} layers, {} embd, {} vocab) in {:.2} s; ctx {}, {} threads, {} path, {} kernels",
+        "loaded {} ({}, {} layers, {} embd, {} vocab) in {:.2} s; ctx {} (trained {}, RoPE scaling {}), {} threads, {} path, {} kernels",
         path.file_name().map_or_else(
             || path.display().to_string(),
             |f| f.to_string_lossy().into_owned()
@@ -142,6 +143,8 @@ pub fn load(a: &ModelArgs) -> Result<Loaded> {
         hp.n_vocab,
         t.elapsed().as_secs_f64(),
         a.ctx,
+        hp.n_ctx_train,
+        session.rope_scaling(),
         threads,
         precision_name(a.precision()),
         ds4_engine::kernel_tier(),
@@ -159,6 +162,19 @@ pub fn thread_count(a: &ModelArgs) -> usize {
 }
 
 impl ModelArgs {
+    /// Loads the model at `path` with the RoPE scaling request of
+    /// `--rope-scaling` / `--rope-scale`.
+    pub fn load_model(&self, path: &Path) -> Result<Model> {
+        let mut model = Model::load(path).with_context(|| format!("loading {}", path.display()))?;
+        model
+            .set_rope_request(RopeRequest {
+                kind: self.rope_scaling,
+                factor: self.rope_scale,
+            })
+            .context("--rope-scaling / --rope-scale")?;
+        Ok(model)
+    }
+
     pub fn precision(&self) -> Precision {
         match (self.exact, self.q8_activations) {
             (true, _) => Precision::Exact,

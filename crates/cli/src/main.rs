@@ -6,6 +6,7 @@ mod generate;
 mod kv;
 mod kvargs;
 mod models;
+mod perplexity;
 mod serve;
 
 use std::path::PathBuf;
@@ -43,6 +44,9 @@ enum Command {
     /// Benchmarks: context sweep (default, CSV/SVG), --summary (like llama-bench),
     /// --prefix-reuse (cold prefill vs checkpoint write and restore).
     Bench(bench::BenchArgs),
+    /// Perplexity of a text (like llama-perplexity): chunks of --ctx tokens, the
+    /// second half of each scored.
+    Perplexity(perplexity::PerplexityArgs),
     /// Show the kernel tier in use (and the tiers and SIMD features of this CPU), default threads and paths.
     Info,
 }
@@ -87,6 +91,19 @@ pub struct ModelArgs {
     /// Tokens per prefill chunk.
     #[arg(long, default_value_t = 256)]
     pub prefill_chunk: usize,
+    /// RoPE scaling, to run past the model's trained context: yarn (high
+    /// frequencies kept, low ones interpolated, as llama.cpp), linear (position
+    /// interpolation: every frequency divided by the factor) or none. Default:
+    /// the model file's own scaling if it declares one, else yarn when --ctx
+    /// exceeds the trained context, else none. Checkpoints load only into
+    /// sessions of the same scaling.
+    #[arg(long, value_name = "none|linear|yarn")]
+    pub rope_scaling: Option<ds4_engine::RopeScalingType>,
+    /// RoPE scaling factor (>= 1; implies yarn unless --rope-scaling says
+    /// otherwise). Default: the file's, else --ctx / trained context. Without it
+    /// --ctx may be at most 4x the trained context; with it, up to FACTOR x.
+    #[arg(long, value_name = "FACTOR")]
+    pub rope_scale: Option<f32>,
 }
 
 fn main() -> Result<()> {
@@ -105,6 +122,7 @@ fn main() -> Result<()> {
         Command::Model(ModelCommand::Ls) => models::list(),
         Command::Kv(k) => kv::run(&k),
         Command::Bench(b) => bench::run(&b),
+        Command::Perplexity(p) => perplexity::run(&p),
         Command::Info => info(),
     }
 }

@@ -573,7 +573,7 @@ fn bench_sweep_rejects_bad_ranges() {
     for (args, message) in [
         (
             &["--ctx-max", "100000"][..],
-            "beyond the model's context of 8192",
+            "a context of 100064 tokens is beyond 32768: the model was trained on 8192",
         ),
         (
             &["--ctx-start", "300", "--ctx-max", "200"],
@@ -661,4 +661,65 @@ fn chat_saves_continued_checkpoints_at_the_policy_step() {
         "{err}"
     );
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// `ds4 perplexity` scores the second half of each chunk, llama-perplexity's way,
+/// and reports the RoPE scaling it ran; the flags are checked.
+#[test]
+fn perplexity_small_chunks_and_rope_flags() {
+    let out = run_ok(&[
+        "perplexity",
+        "--ctx",
+        "64",
+        "--chunks",
+        "2",
+        "--threads",
+        "2",
+    ]);
+    let text = stdout(&out);
+    assert!(text.starts_with("[1]"), "{text}");
+    let last = text.lines().last().unwrap();
+    assert!(
+        last.starts_with("Final estimate: PPL = ")
+            && last.contains("RoPE scaling none, 62 tokens scored in 2 chunks"),
+        "{text}"
+    );
+    let ppl: f64 = last["Final estimate: PPL = ".len()..]
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(ppl > 1.0 && ppl < 200.0, "{ppl}");
+    let out = run_ok(&[
+        "perplexity",
+        "--ctx",
+        "64",
+        "--chunks",
+        "1",
+        "--rope-scaling",
+        "linear",
+        "--rope-scale",
+        "2",
+    ]);
+    assert!(stdout(&out).contains("RoPE scaling linear x2 (original context 8192)"));
+    for (args, message) in [
+        (
+            &["--ctx", "40000"][..],
+            "a context of 40000 tokens is beyond 32768",
+        ),
+        (
+            &["--rope-scale", "0.5"],
+            "the factor must be a finite number >= 1",
+        ),
+        (
+            &["--rope-scaling", "none", "--rope-scale", "2"],
+            "with the method none",
+        ),
+        (&["--rope-scaling", "ntk"], "expected none, linear or yarn"),
+    ] {
+        let out = ds4().arg("perplexity").args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(stderr(&out).contains(message), "{args:?}: {}", stderr(&out));
+    }
 }

@@ -44,6 +44,18 @@ pub enum EngineError {
         payload: crate::session::KvType,
         session: crate::session::KvType,
     },
+    #[error("RoPE scaling: {reason}")]
+    BadRopeScaling { reason: String },
+    #[error(
+        "a context of {n_ctx} tokens is beyond {max}: the model was trained on {n_ctx_train}, \
+         and without a RoPE scale factor F covering it (F x trained context >= the context, \
+         --rope-scale) a session may be at most 4x that"
+    )]
+    ContextBeyondRope {
+        n_ctx: usize,
+        n_ctx_train: usize,
+        max: usize,
+    },
     #[error("session payload: {reason}")]
     Payload { reason: String },
     #[error("prefill cancelled after {done} of {total} tokens")]

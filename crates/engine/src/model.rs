@@ -11,6 +11,7 @@ use ds4_kernels::WeightFormat;
 
 use crate::error::{EngineError, Result};
 use crate::models::llama::LlamaWeights;
+use crate::rope::{RopeRequest, RopeScaling, RopeScalingType};
 use crate::tokenizer::Tokenizer;
 
 /// Hyper-parameters shared by the transformer families, in llama.cpp's vocabulary.
@@ -28,6 +29,10 @@ pub struct HParams {
     pub rms_eps: f32,
     pub rope_base: f32,
     pub n_rot: usize,
+    /// The scaling the file declares (`rope.scaling.type`, `.factor`,
+    /// `.original_context_length`, or the older `rope.scale_linear`);
+    /// [`RopeScaling::NONE`] when it declares none.
+    pub rope_scaling: RopeScaling,
 }
 
 impl HParams {
@@ -67,9 +72,11 @@ impl HParams {
             Some(_) => g.get_f64(&format!("{arch}.rope.freq_base"))? as f32,
             None => 10_000.0,
         };
+        let n_ctx_train = int("context_length")?;
+        let rope_scaling = rope_scaling_of(g, &arch, n_ctx_train)?;
         let hp = HParams {
             n_vocab,
-            n_ctx_train: int("context_length")?,
+            n_ctx_train,
             n_embd,
             n_layer: int("block_count")?,
             n_head,
@@ -79,6 +86,7 @@ impl HParams {
             rms_eps: g.get_f64(&format!("{arch}.attention.layer_norm_rms_epsilon"))? as f32,
             rope_base,
             n_rot,
+            rope_scaling,
             arch,
         };
         if !hp.n_head.is_multiple_of(hp.n_head_kv) {
@@ -104,6 +112,51 @@ impl HParams {
         }
         Ok(hp)
     }
+}
+
+/// The RoPE scaling a GGUF declares, [`RopeScaling::NONE`] when it declares none.
+fn rope_scaling_of(g: &Gguf, arch: &str, n_ctx_train: usize) -> Result<RopeScaling> {
+    let key = |k: &str| format!("{arch}.rope.{k}");
+    let float = |k: &str| -> Result<Option<f32>> {
+        match g.get(&key(k)) {
+            Some(_) => Ok(Some(g.get_f64(&key(k))? as f32)),
+            None => Ok(None),
+        }
+    };
+    let kind = match g.get(&key("scaling.type")) {
+        Some(_) => {
+            let name = g.get_str(&key("scaling.type"))?;
+            Some(
+                name.parse::<RopeScalingType>()
+                    .map_err(|e| bad(&key("scaling.type"), e))?,
+            )
+        }
+        None => None,
+    };
+    let (kind, factor) = match (kind, float("scaling.factor")?, float("scale_linear")?) {
+        (Some(k), Some(f), _) => (k, f),
+        // llama.cpp reads a missing or zero factor as no scaling.
+        (Some(_), None, _) => (RopeScalingType::None, 1.0),
+        (None, _, Some(f)) => (RopeScalingType::Linear, f),
+        (None, _, None) => (RopeScalingType::None, 1.0),
+    };
+    if kind == RopeScalingType::None || factor == 0.0 {
+        return Ok(RopeScaling::NONE);
+    }
+    let n_ctx_orig = match g.get(&key("scaling.original_context_length")) {
+        Some(_) => match usize::try_from(g.get_u64(&key("scaling.original_context_length"))?) {
+            Ok(n) if n > 0 => n,
+            _ => {
+                return Err(bad(
+                    &key("scaling.original_context_length"),
+                    "must be a positive size".into(),
+                ))
+            }
+        },
+        None => n_ctx_train,
+    };
+    RopeScaling::new(kind, factor, n_ctx_orig)
+        .map_err(|e| bad(&key("scaling.factor"), e.to_string()))
 }
 
 fn bad(key: &str, reason: String) -> EngineError {
@@ -289,6 +342,9 @@ pub struct Model {
     pub tokenizer: Tokenizer,
     pub fingerprint: Fingerprint,
     pub(crate) weights: LlamaWeights,
+    /// The operator's RoPE scaling request, which every session resolves for its
+    /// context ([`RopeRequest::resolve`]).
+    rope_request: RopeRequest,
     /// The fast path's copies of the Q4_1 and Q8_0 matrices ([`TensorRef::f2`]).
     f2: Vec<F2Matrix>,
 }
@@ -319,8 +375,27 @@ impl Model {
             tokenizer,
             fingerprint,
             weights,
+            rope_request: RopeRequest::default(),
             f2,
         })
+    }
+
+    /// Sets the RoPE scaling request of the sessions created after this
+    /// (`--rope-scaling`, `--rope-scale`); refuses an invalid one.
+    pub fn set_rope_request(&mut self, req: RopeRequest) -> Result<()> {
+        req.validate()?;
+        self.rope_request = req;
+        Ok(())
+    }
+
+    pub fn rope_request(&self) -> RopeRequest {
+        self.rope_request
+    }
+
+    /// The RoPE scaling a session of `n_ctx` positions runs with, or why that
+    /// context is refused ([`RopeRequest::resolve_checked`]).
+    pub fn rope_scaling_for(&self, n_ctx: usize) -> Result<RopeScaling> {
+        self.rope_request.resolve_checked(&self.hparams, n_ctx)
     }
 
     pub fn gguf(&self) -> &Gguf {

@@ -7,6 +7,8 @@ use ds4_kernels::matmul::{matmul, matmul_f32, matmul_fast, F32Dot, WeightMatrix}
 use ds4_kernels::pool::ThreadPool;
 use ds4_kernels::{ActivationFormat, QuantizedActivations};
 
+use crate::rope::RopeScaling;
+
 /// How matrix products treat activations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Precision {
@@ -57,17 +59,39 @@ pub fn add_rows(pool: &ThreadPool, x: &mut [f32], y: &[f32], n: usize) {
     });
 }
 
-/// Rotary position embedding tables: `inv_freq[i] = base^(-2i / n_rot)`.
+/// Rotary position embedding tables: `inv_freq[i] = base^(-2i / n_rot)`, and for
+/// a scaled session ([`RopeScaling`]) each pair's angle multiplier and the
+/// magnitude scale of the rotated values.
 pub struct Rope {
     inv_freq: Vec<f64>,
+    /// Per pair: what `pos·inv_freq` is multiplied by (1 without scaling).
+    angle_mul: Vec<f64>,
+    /// What `sin` and `cos` are multiplied by (1 except under YaRN).
+    mscale: f64,
+    scaling: RopeScaling,
 }
 
 impl Rope {
     pub fn new(base: f32, n_rot: usize) -> Self {
+        Self::scaled(base, n_rot, RopeScaling::NONE)
+    }
+
+    /// The tables under `scaling`. Without scaling the multipliers are exactly 1,
+    /// so the angles are bitwise those of [`new`](Self::new) before scaling existed.
+    pub fn scaled(base: f32, n_rot: usize, scaling: RopeScaling) -> Self {
         let inv_freq = (0..n_rot / 2)
             .map(|i| f64::from(base).powf(-2.0 * i as f64 / n_rot as f64))
             .collect();
-        Rope { inv_freq }
+        Rope {
+            inv_freq,
+            angle_mul: scaling.angle_multipliers(base, n_rot),
+            mscale: scaling.mscale(),
+            scaling,
+        }
+    }
+
+    pub fn scaling(&self) -> RopeScaling {
+        self.scaling
     }
 
     /// Rotates adjacent pairs `(2i, 2i+1)` of the first `n_rot` dims of every head
@@ -86,10 +110,13 @@ impl Rope {
     /// `(sin, cos)` of every pair's angle at `pos` (computed in f64, rounded to
     /// f32), for [`rotate`](Self::rotate): once per position, shared by every head
     /// and layer.
+    /// Under scaling, the angle is `pos·inv_freq·multiplier` and both values are
+    /// multiplied by the magnitude scale before rounding (ggml's `rope_yarn`).
     pub fn angles(&self, pos: usize, out: &mut [(f32, f32)]) {
-        for (o, &f) in out.iter_mut().zip(&self.inv_freq) {
-            let (s, c) = (pos as f64 * f).sin_cos();
-            *o = (s as f32, c as f32);
+        let ms = self.mscale;
+        for ((o, &f), &m) in out.iter_mut().zip(&self.inv_freq).zip(&self.angle_mul) {
+            let (s, c) = (pos as f64 * f * m).sin_cos();
+            *o = ((s * ms) as f32, (c * ms) as f32);
         }
     }
 
@@ -423,6 +450,47 @@ mod tests {
         assert!(
             (f64::from(x[2]) + a.sin()).abs() < 1e-6 && (f64::from(x[3]) - a.cos()).abs() < 1e-6
         );
+    }
+
+    #[test]
+    fn scaled_rope_angles_by_hand() {
+        use crate::rope::RopeScalingType;
+        // SmolLM2's RoPE (64 dims, base 1e5) at YaRN x4 over 8192 positions:
+        // pair 0 keeps its angle (pos rad), pair 31 (slow) turns by pos·inv_freq/4,
+        // pair 15 by pos·inv_freq·0.625; every value is scaled by 1 + 0.1·ln 4.
+        let y = RopeScaling::new(RopeScalingType::Yarn, 4.0, 8192).unwrap();
+        let rope = Rope::scaled(100_000.0, 64, y);
+        let mut sc = vec![(0.0, 0.0); 32];
+        let pos = 1000usize;
+        rope.angles(pos, &mut sc);
+        let ms = 1.0 + 0.1 * 4f64.ln();
+        let inv = |i: usize| 100_000f64.powf(-2.0 * i as f64 / 64.0);
+        for (i, mul) in [(0, 1.0), (10, 1.0), (15, 0.625), (20, 0.25), (31, 0.25)] {
+            let a = pos as f64 * inv(i) * mul;
+            let (s, c) = sc[i];
+            assert!((f64::from(s) - a.sin() * ms).abs() < 1e-6, "pair {i} sin");
+            assert!((f64::from(c) - a.cos() * ms).abs() < 1e-6, "pair {i} cos");
+        }
+        // Linear x2: every angle halved, magnitude 1.
+        let l = RopeScaling::new(RopeScalingType::Linear, 2.0, 8192).unwrap();
+        Rope::scaled(100_000.0, 64, l).angles(pos, &mut sc);
+        for (i, &(s, c)) in sc.iter().enumerate() {
+            let a = pos as f64 * inv(i) * 0.5;
+            assert!((f64::from(s) - a.sin()).abs() < 1e-6 && (f64::from(c) - a.cos()).abs() < 1e-6);
+        }
+        // No scaling: bitwise the unscaled tables.
+        let (mut a, mut b) = (vec![(0.0, 0.0); 32], vec![(0.0, 0.0); 32]);
+        for pos in [0, 1, 777, 8191, 30000] {
+            Rope::new(100_000.0, 64).angles(pos, &mut a);
+            Rope::scaled(100_000.0, 64, RopeScaling::NONE).angles(pos, &mut b);
+            for ((s, c), (f, g)) in a.iter().zip(&b) {
+                assert_eq!((s.to_bits(), c.to_bits()), (f.to_bits(), g.to_bits()));
+            }
+            for (i, &(s, c)) in a.iter().enumerate() {
+                let (ws, wc) = (pos as f64 * inv(i)).sin_cos();
+                assert_eq!((s, c), (ws as f32, wc as f32), "pos {pos} pair {i}");
+            }
+        }
     }
 
     #[test]

@@ -9,9 +9,10 @@ use ds4_kernels::pool::ThreadPool;
 
 use crate::error::{EngineError, Result};
 use crate::model::Model;
-use crate::models::llama::{self, LlamaState, Scratch};
-use crate::ops::Precision;
+use crate::models::llama::{self, LlamaState, LogitsOut, Scratch};
+use crate::ops::{Precision, Rope};
 use crate::payload::{self, PayloadHeader};
+use crate::rope::RopeScaling;
 
 /// How K and V rows are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -116,18 +117,55 @@ pub struct Session {
     pool: Arc<ThreadPool>,
     opts: SessionOptions,
     precision: Precision,
+    /// RoPE tables under the scaling resolved for this session's context.
+    rope: Rope,
     state: LlamaState,
     scratch: Scratch,
     tokens: Vec<u32>,
     logits: Vec<f32>,
     has_logits: bool,
+    /// Every token's logits of one chunk, for [`prefill_with_logits`](Self::prefill_with_logits)
+    /// (allocated on first use).
+    chunk_logits: Vec<f32>,
 }
 
 impl Session {
+    /// A session whose RoPE scaling is the model's request resolved for
+    /// `opts.n_ctx` ([`RopeRequest::resolve`](crate::RopeRequest::resolve)). It
+    /// does not enforce the context bound; [`try_new`](Self::try_new) does.
     pub fn new(model: Arc<Model>, pool: Arc<ThreadPool>, opts: &SessionOptions) -> Self {
+        let n_ctx = opts.n_ctx.max(1);
+        // The request was validated when set, so this resolves; were it not, the
+        // session runs unscaled rather than failing.
+        let scaling = model
+            .rope_request()
+            .resolve(&model.hparams, n_ctx)
+            .unwrap_or(RopeScaling::NONE);
+        Self::with_scaling(model, pool, opts, scaling)
+    }
+
+    /// Like [`new`](Self::new), but refuses a context beyond what the model's
+    /// RoPE may be stretched to ([`Model::rope_scaling_for`]).
+    pub fn try_new(
+        model: Arc<Model>,
+        pool: Arc<ThreadPool>,
+        opts: &SessionOptions,
+    ) -> Result<Self> {
+        let scaling = model.rope_scaling_for(opts.n_ctx.max(1))?;
+        Ok(Self::with_scaling(model, pool, opts, scaling))
+    }
+
+    fn with_scaling(
+        model: Arc<Model>,
+        pool: Arc<ThreadPool>,
+        opts: &SessionOptions,
+        scaling: RopeScaling,
+    ) -> Self {
         let hp = &model.hparams;
         let n_ctx = opts.n_ctx.max(1);
         Session {
+            rope: Rope::scaled(hp.rope_base, hp.n_rot, scaling),
+            chunk_logits: Vec::new(),
             state: LlamaState::new(hp, n_ctx, opts.kv_type),
             scratch: Scratch::new(hp, opts.prefill_chunk.clamp(1, n_ctx)),
             logits: vec![0.0; hp.n_vocab],
@@ -167,8 +205,19 @@ impl Session {
     /// model's own for f32 K/V (so existing checkpoints stay valid), and for f16 a
     /// hash of it and the K/V type, so that a store never offers a checkpoint of
     /// one type to a session of the other.
+    ///
+    /// A session with RoPE scaling folds it in too ([`RopeScaling::fold_fingerprint`]):
+    /// K rows are stored rotated, so state computed under one scaling is wrong
+    /// under another. Unscaled sessions keep the fingerprint they had before
+    /// scaling existed.
     pub fn state_fingerprint(&self) -> [u8; 16] {
-        self.kv_type().state_fingerprint(&self.model.fingerprint)
+        let fp = self.kv_type().state_fingerprint(&self.model.fingerprint);
+        self.rope.scaling().fold_fingerprint(fp)
+    }
+
+    /// The RoPE scaling this session runs with.
+    pub fn rope_scaling(&self) -> RopeScaling {
+        self.rope.scaling()
     }
 
     /// The exact token ids the state represents.
@@ -212,6 +261,31 @@ impl Session {
         tokens: &[u32],
         mut keep_going: impl FnMut(usize, usize) -> bool,
     ) -> Result<usize> {
+        self.check_prefill(tokens)?;
+        let mut done = 0;
+        for chunk in tokens.chunks(self.scratch.max_batch) {
+            llama::forward(
+                &self.model,
+                &self.rope,
+                &mut self.state,
+                &mut self.scratch,
+                &self.pool,
+                self.precision,
+                chunk,
+                self.tokens.len(),
+                LogitsOut::Last(&mut self.logits),
+            );
+            self.tokens.extend_from_slice(chunk);
+            self.has_logits = true;
+            done += chunk.len();
+            if !keep_going(done, tokens.len()) {
+                break;
+            }
+        }
+        Ok(done)
+    }
+
+    fn check_prefill(&self, tokens: &[u32]) -> Result<()> {
         let n_vocab = self.model.hparams.n_vocab;
         if let Some(&id) = tokens.iter().find(|&&id| id as usize >= n_vocab) {
             return Err(EngineError::TokenOutOfRange { id, n_vocab });
@@ -223,26 +297,45 @@ impl Session {
                 n_ctx: self.n_ctx(),
             });
         }
+        Ok(())
+    }
+
+    /// Like [`prefill`](Self::prefill), but computes every token's next-token
+    /// logits and calls `each(i, logits)` for `tokens[i]`, in order (perplexity).
+    /// Each row is bitwise the logits a token-by-token run would give there. Costs
+    /// the output projection of every token, and `prefill_chunk * n_vocab` floats.
+    pub fn prefill_with_logits(
+        &mut self,
+        tokens: &[u32],
+        mut each: impl FnMut(usize, &[f32]),
+    ) -> Result<()> {
+        self.check_prefill(tokens)?;
+        let n_vocab = self.model.hparams.n_vocab;
         let mut done = 0;
         for chunk in tokens.chunks(self.scratch.max_batch) {
+            let rows = &mut self.chunk_logits;
+            rows.resize(chunk.len() * n_vocab, 0.0);
             llama::forward(
                 &self.model,
+                &self.rope,
                 &mut self.state,
                 &mut self.scratch,
                 &self.pool,
                 self.precision,
                 chunk,
                 self.tokens.len(),
-                &mut self.logits,
+                LogitsOut::All(rows),
             );
             self.tokens.extend_from_slice(chunk);
+            for (i, row) in rows.chunks_exact(n_vocab).enumerate() {
+                each(done + i, row);
+            }
+            self.logits
+                .copy_from_slice(&rows[(chunk.len() - 1) * n_vocab..]);
             self.has_logits = true;
             done += chunk.len();
-            if !keep_going(done, tokens.len()) {
-                break;
-            }
         }
-        Ok(done)
+        Ok(())
     }
 
     /// Feeds one token (sampled or forced) and computes the next logits.

@@ -1,4 +1,4 @@
-//! SmolLM2 against llama.cpp's golden vectors (`shared/vectors/llama-cpp/`), teacher
+//! SmolLM2 against llama.cpp's golden vectors (`tests/vectors/llama-cpp/`, copied from the shared set), teacher
 //! forced: feed the prompt plus the reference's first i generated tokens and compare
 //! step i's log-probabilities with the reference's top-5.
 //!

@@ -5,7 +5,10 @@
 
 use std::sync::{Arc, OnceLock};
 
-use ds4_engine::{EngineError, Model, Precision, Session, SessionOptions, ThreadPool};
+use ds4_engine::{
+    EngineError, KvType, Model, Precision, RopeRequest, RopeScaling, RopeScalingType, Session,
+    SessionOptions, ThreadPool,
+};
 use ds4_gguf::{GgmlType, Gguf, GgufWriter, Value};
 use ds4_kernels::{quantize_row, WeightFormat};
 
@@ -313,4 +316,207 @@ fn session_rejects_bad_tokens_and_overflow_without_damage() {
         &before[..],
         "reset + same tokens = same logits"
     );
+}
+
+fn session_ctx(model: &Arc<Model>, n_ctx: usize, kv_type: KvType) -> Session {
+    let opts = SessionOptions {
+        n_ctx,
+        prefill_chunk: 16,
+        precision: Precision::Fast,
+        kv_type,
+    };
+    Session::try_new(Arc::clone(model), Arc::new(ThreadPool::new(2)), &opts).unwrap()
+}
+
+fn with_request(kind: Option<RopeScalingType>, factor: Option<f32>) -> Arc<Model> {
+    let (m, t) = tiny_parts();
+    let mut model = build(m, t).unwrap();
+    model
+        .set_rope_request(RopeRequest { kind, factor })
+        .unwrap();
+    Arc::new(model)
+}
+
+fn logit_bits(s: &Session) -> Vec<u32> {
+    s.logits().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn rope_scaling_keys_are_read_from_the_file() {
+    let with_keys = |keys: Vec<(&str, Value)>| {
+        let (mut m, t) = tiny_parts();
+        for (k, v) in keys {
+            m.push((k.to_string(), v));
+        }
+        build(m, t)
+    };
+    let m = with_keys(vec![
+        ("llama.rope.scaling.type", Value::String("yarn".into())),
+        ("llama.rope.scaling.factor", Value::F32(4.0)),
+        ("llama.rope.scaling.original_context_length", Value::U32(64)),
+    ])
+    .unwrap();
+    assert_eq!(
+        m.hparams.rope_scaling,
+        RopeScaling::new(RopeScalingType::Yarn, 4.0, 64).unwrap()
+    );
+    // Without a request, sessions of any size run the file's scaling.
+    assert_eq!(
+        m.rope_scaling_for(16).unwrap(),
+        m.hparams.rope_scaling,
+        "the file's scaling applies within the trained context too"
+    );
+    let m = with_keys(vec![("llama.rope.scale_linear", Value::F32(2.0))]).unwrap();
+    assert_eq!(m.hparams.rope_scaling.kind, RopeScalingType::Linear);
+    assert_eq!(m.hparams.rope_scaling.n_ctx_orig, 256);
+    let m = with_keys(vec![(
+        "llama.rope.scaling.type",
+        Value::String("none".into()),
+    )])
+    .unwrap();
+    assert!(m.hparams.rope_scaling.is_none());
+    let e = with_keys(vec![(
+        "llama.rope.scaling.type",
+        Value::String("longrope".into()),
+    )])
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("llama.rope.scaling.type") && e.contains("longrope"),
+        "{e}"
+    );
+    let e = with_keys(vec![
+        ("llama.rope.scaling.type", Value::String("linear".into())),
+        ("llama.rope.scaling.factor", Value::F32(0.5)),
+    ])
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("llama.rope.scaling.factor") && e.contains("0.5"),
+        "{e}"
+    );
+    // The tiny model itself declares nothing.
+    assert!(tiny().hparams.rope_scaling.is_none());
+}
+
+/// Within the trained context (256 here) a session runs unscaled whatever its
+/// size, bitwise as before scaling existed; past it, the automatic YaRN changes
+/// the logits. Checkpoint fingerprints follow the scaling.
+#[test]
+fn rope_scaling_policy_logits_and_fingerprints() {
+    let model = tiny();
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 7919 + 5) % N_VOCAB as u32).collect();
+    let run = |s: &mut Session| {
+        s.prefill(&prompt).unwrap();
+        logit_bits(s)
+    };
+    let mut small = session_ctx(&model, 64, KvType::F32);
+    let mut trained = session_ctx(&model, 256, KvType::F32);
+    let mut long = session_ctx(&model, 1024, KvType::F32);
+    assert!(small.rope_scaling().is_none() && trained.rope_scaling().is_none());
+    assert_eq!(
+        long.rope_scaling(),
+        RopeScaling::new(RopeScalingType::Yarn, 4.0, 256).unwrap()
+    );
+    let want = run(&mut small);
+    assert!(run(&mut trained) == want, "unscaled logits depend on n_ctx");
+    // An explicit none, and a factor of 1, are the same unscaled path.
+    let none = with_request(Some(RopeScalingType::None), None);
+    assert!(run(&mut session_ctx(&none, 1024, KvType::F32)) == want);
+    let one = with_request(Some(RopeScalingType::Yarn), Some(1.0));
+    assert!(run(&mut session_ctx(&one, 64, KvType::F32)) == want);
+    // YaRN moves the logits (position 0 is unrotated, so the tokens after it do).
+    assert!(run(&mut long) != want, "YaRN x4 changed nothing");
+
+    // Fingerprints: unchanged when unscaled (= the K/V type's, as before).
+    let fp = |s: &Session| s.state_fingerprint();
+    let base = KvType::F32.state_fingerprint(&model.fingerprint);
+    assert_eq!(fp(&small), base);
+    assert_eq!(fp(&trained), base);
+    assert_eq!(fp(&session_ctx(&none, 1024, KvType::F32)), base);
+    assert_eq!(
+        fp(&session_ctx(&model, 64, KvType::F16)),
+        KvType::F16.state_fingerprint(&model.fingerprint)
+    );
+    // Scaled: equal settings, equal fingerprints; any difference, a different one.
+    let y4 = fp(&long);
+    assert_ne!(y4, base);
+    assert_eq!(fp(&session_ctx(&model, 1024, KvType::F32)), y4);
+    let explicit = with_request(Some(RopeScalingType::Yarn), Some(4.0));
+    assert_eq!(fp(&session_ctx(&explicit, 64, KvType::F32)), y4);
+    let linear = with_request(Some(RopeScalingType::Linear), None);
+    let l4 = fp(&session_ctx(&linear, 1024, KvType::F32));
+    let y2 = fp(&session_ctx(&model, 512, KvType::F32));
+    let y4_f16 = fp(&session_ctx(&model, 1024, KvType::F16));
+    for (i, a) in [base, y4, l4, y2, y4_f16].iter().enumerate() {
+        for b in &[base, y4, l4, y2, y4_f16][i + 1..] {
+            assert_ne!(a, b);
+        }
+    }
+
+    // The bound: 4x the trained context, further with a covering factor.
+    let opts = SessionOptions {
+        n_ctx: 1025,
+        ..SessionOptions::default()
+    };
+    let e = Session::try_new(Arc::clone(&model), Arc::new(ThreadPool::new(1)), &opts)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(
+            e,
+            EngineError::ContextBeyondRope {
+                n_ctx: 1025,
+                n_ctx_train: 256,
+                max: 1024
+            }
+        ),
+        "{e}"
+    );
+    let f8 = with_request(None, Some(8.0));
+    assert!(Session::try_new(f8, Arc::new(ThreadPool::new(1)), &opts).is_ok());
+    // Invalid requests are refused when set.
+    let (m, t) = tiny_parts();
+    let mut m = build(m, t).unwrap();
+    for (kind, factor) in [
+        (None, Some(0.5)),
+        (None, Some(f32::NAN)),
+        (Some(RopeScalingType::None), Some(2.0)),
+    ] {
+        assert!(m.set_rope_request(RopeRequest { kind, factor }).is_err());
+    }
+}
+
+/// `prefill_with_logits` gives every position the logits token-by-token
+/// decoding gives there, bit for bit, scaled or not, and leaves the session as
+/// a plain prefill would.
+#[test]
+fn prefill_with_logits_equals_decode_bitwise() {
+    let prompt: Vec<u32> = (0..37).map(|i| (i * 1297 + 11) % N_VOCAB as u32).collect();
+    for model in [tiny(), with_request(Some(RopeScalingType::Yarn), Some(4.0))] {
+        let mut want = Vec::new();
+        let mut one = session_ctx(&model, 64, KvType::F16);
+        for &t in &prompt {
+            one.decode_step(t).unwrap();
+            want.push(logit_bits(&one));
+        }
+        let mut all = session_ctx(&model, 64, KvType::F16);
+        all.prefill(&prompt[..5]).unwrap();
+        let mut got = Vec::new();
+        all.prefill_with_logits(&prompt[5..], |i, row| {
+            assert_eq!(i, got.len());
+            got.push(row.iter().map(|v| v.to_bits()).collect::<Vec<u32>>());
+        })
+        .unwrap();
+        assert_eq!(got.len(), prompt.len() - 5);
+        for (i, g) in got.iter().enumerate() {
+            assert!(*g == want[5 + i], "position {}", 5 + i);
+        }
+        assert!(logit_bits(&all) == want[prompt.len() - 1]);
+        assert_eq!(all.tokens(), &prompt[..]);
+        let e = all.prefill_with_logits(&[1; 28], |_, _| ()).unwrap_err();
+        assert!(matches!(e, EngineError::ContextFull { .. }));
+    }
 }

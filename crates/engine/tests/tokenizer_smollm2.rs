@@ -1,4 +1,4 @@
-//! SmolLM2 tokenizer against llama.cpp golden vectors (shared/vectors/llama-cpp):
+//! SmolLM2 tokenizer against llama.cpp golden vectors (tests/vectors/llama-cpp, copied from shared/vectors):
 //! 47 strings x 4 (add_special x parse_special) encodings, their decoded pieces, and
 //! the ChatML prompts of the generation vectors.
 

@@ -75,7 +75,11 @@ impl Persist {
             other_kv: (
                 other,
                 ModelId {
-                    model_fp: other.state_fingerprint(&fp),
+                    // The same RoPE scaling as this session's, so the notice
+                    // names only checkpoints that differ in the K/V type.
+                    model_fp: session
+                        .rope_scaling()
+                        .fold_fingerprint(other.state_fingerprint(&fp)),
                     quant_fp: fp.quant,
                 },
             ),

@@ -19,8 +19,8 @@ use ds4_engine::{Model, Session, SessionOptions, ThreadPool};
 
 use crate::ModelArgs;
 
-/// The sweep's and the summary's text: a public-domain novel (see bench/README.md).
-const BOOK_TEXT: &str = include_str!("../../../../bench/pride_and_prejudice.txt");
+/// The sweep's, the summary's and `ds4 perplexity`'s text: a public-domain novel (see bench/README.md).
+pub(crate) const BOOK_TEXT: &str = include_str!("../../../../bench/pride_and_prejudice.txt");
 
 #[derive(Args, Clone, Debug)]
 #[command(after_help = "Modes: the context sweep (default) prints CSV \
@@ -42,7 +42,8 @@ pub struct BenchArgs {
           value_parser = positive,
           conflicts_with_all = ["summary", "prefix_reuse"])]
     pub ctx_start: usize,
-    /// Last context frontier in tokens (at most the model's context).
+    /// Last context frontier in tokens (beyond the model's trained context, the
+    /// session is RoPE-scaled: see --rope-scaling).
     #[arg(long, default_value_t = 8192, value_name = "N", help_heading = "Context sweep (default mode)",
           conflicts_with_all = ["summary", "prefix_reuse"])]
     pub ctx_max: usize,
@@ -157,8 +158,7 @@ struct Bench {
 impl Bench {
     fn load(a: &ModelArgs) -> Result<Bench> {
         let path = crate::models::resolve(a.model.as_deref())?;
-        let model =
-            Arc::new(Model::load(&path).with_context(|| format!("loading {}", path.display()))?);
+        let model = Arc::new(a.load_model(&path)?);
         let threads = crate::generate::thread_count(a);
         Ok(Bench {
             model,
@@ -168,14 +168,16 @@ impl Bench {
         })
     }
 
-    fn session(&self, a: &ModelArgs, n_ctx: usize) -> Session {
+    /// A session of `n_ctx` positions (refused beyond the RoPE bound).
+    fn session(&self, a: &ModelArgs, n_ctx: usize) -> Result<Session> {
         let opts = SessionOptions {
             n_ctx,
             prefill_chunk: a.prefill_chunk,
             precision: a.precision(),
             kv_type: a.kv_type(),
         };
-        Session::new(Arc::clone(&self.model), Arc::clone(&self.pool), &opts)
+        Session::try_new(Arc::clone(&self.model), Arc::clone(&self.pool), &opts)
+            .with_context(|| format!("a benchmark session of {n_ctx} positions"))
     }
 
     fn file_name(&self) -> String {

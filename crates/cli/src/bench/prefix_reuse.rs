@@ -17,6 +17,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let bench = Bench::load(&a.model)?;
     let ids = bench.tokens(a.prompt_file.as_deref(), STORY_TEXT, a.prompt_tokens)?;
     let n_ctx = a.model.ctx.max(ids.len() + 1);
+    bench.model.rope_scaling_for(n_ctx)?;
     let threads = bench.threads;
     let opts = SessionOptions {
         n_ctx,

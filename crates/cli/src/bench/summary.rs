@@ -62,7 +62,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     ensure!(a.pp > 0 || a.tg > 0, "nothing to run: -p and -n are both 0");
     let bench = Bench::load(&a.model)?;
     let ids = bench.tokens(a.prompt_file.as_deref(), BOOK_TEXT, a.pp.max(1))?;
-    let mut session = bench.session(&a.model, a.pp.max(a.tg));
+    let mut session = bench.session(&a.model, a.pp.max(a.tg))?;
     let mut results = Vec::new();
     if a.pp > 0 {
         let mut prefill = |s: &mut Session| -> Result<f64> {

@@ -78,23 +78,18 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         a.ctx_max
     );
     let bench = Bench::load(&a.model)?;
-    let n_ctx_model = bench.model.hparams.n_ctx_train;
-    ensure!(
-        a.ctx_max <= n_ctx_model,
-        "--ctx-max {} is beyond the model's context of {n_ctx_model} tokens",
-        a.ctx_max
-    );
     let ids = bench.tokens(a.prompt_file.as_deref(), BOOK_TEXT, a.ctx_max)?;
     // Room for the generation at the last frontier, which may run past ctx-max.
-    let mut session = bench.session(&a.model, a.ctx_max + a.gen_tokens);
+    let mut session = bench.session(&a.model, a.ctx_max + a.gen_tokens)?;
     let frontiers = frontiers(a.ctx_start, a.ctx_max, step);
     eprintln!(
-        "bench: {}, {} threads, {} kernels, {} precision, {} K/V; frontiers {frontiers:?}",
+        "bench: {}, {} threads, {} kernels, {} precision, {} K/V, RoPE scaling {}; frontiers {frontiers:?}",
         bench.file_name(),
         bench.threads,
         ds4_engine::kernel_tier(),
         crate::generate::precision_name(a.model.precision()),
         a.model.kv_type().name(),
+        session.rope_scaling(),
     );
 
     let mut csv = format!("{CSV_HEADER}\n");

@@ -39,7 +39,6 @@ pub(crate) struct LlamaWeights {
     output_norm: Vec<f32>,
     output: TensorRef,
     layers: Vec<LayerWeights>,
-    rope: Rope,
 }
 
 impl LlamaWeights {
@@ -76,7 +75,6 @@ impl LlamaWeights {
             output_norm,
             output,
             layers,
-            rope: Rope::new(hp.rope_base, hp.n_rot),
         };
         Ok((weights, f2))
     }
@@ -230,19 +228,29 @@ impl Scratch {
     }
 }
 
+/// Where a forward pass writes next-token logits.
+pub(crate) enum LogitsOut<'a> {
+    /// The last token's (`n_vocab`).
+    Last(&'a mut [f32]),
+    /// Every token's, row after row (`tokens.len() * n_vocab`). Each row is
+    /// bitwise the row [`Last`](Self::Last) gives for that token.
+    All(&'a mut [f32]),
+}
+
 /// Runs `tokens` (at most `scratch.max_batch`, already validated against the
-/// vocabulary and context) at positions `pos0..`, appending their K/V to `state`
-/// and writing the next-token logits of the last one to `logits`.
+/// vocabulary and context) at positions `pos0..` with the session's RoPE tables,
+/// appending their K/V to `state` and writing next-token logits to `logits`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward(
     model: &Model,
+    rope: &Rope,
     state: &mut LlamaState,
     s: &mut Scratch,
     pool: &ThreadPool,
     precision: Precision,
     tokens: &[u32],
     pos0: usize,
-    logits: &mut [f32],
+    logits: LogitsOut<'_>,
 ) {
     let hp = &model.hparams;
     let w = &model.weights;
@@ -259,10 +267,10 @@ pub(crate) fn forward(
         }
     }
 
-    let n_pairs = w.rope.n_pairs();
+    let n_pairs = rope.n_pairs();
     let angles = &mut s.rope[..nt * n_pairs];
     for (t, a) in angles.chunks_exact_mut(n_pairs.max(1)).enumerate() {
-        w.rope.angles(pos0 + t, a);
+        rope.angles(pos0 + t, a);
     }
     let stride = state.layer_stride(hp);
     for (il, lw) in w.layers.iter().enumerate() {
@@ -337,16 +345,23 @@ pub(crate) fn forward(
         add_rows(pool, x, ffn_out, n_embd);
     }
 
-    let last = &x[(nt - 1) * n_embd..nt * n_embd];
-    let xn = &mut s.xn[..n_embd];
-    rms_norm(last, &w.output_norm, hp.rms_eps, xn);
+    let (rows, out) = match logits {
+        LogitsOut::Last(out) => (&x[(nt - 1) * n_embd..nt * n_embd], out),
+        LogitsOut::All(out) => (&x[..], out),
+    };
+    let xn = &mut s.xn[..rows.len()];
+    if rows.len() == n_embd {
+        rms_norm(rows, &w.output_norm, hp.rms_eps, xn);
+    } else {
+        rms_norm_rows(pool, rows, &w.output_norm, hp.rms_eps, xn);
+    }
     project(
         pool,
         precision,
         &mut s.acts,
         xn,
         &[&model.matrix(&w.output)],
-        &mut [logits],
+        &mut [out],
     );
 }
 
