@@ -127,6 +127,10 @@ impl Template for ChatMl {
     fn supports_thinking(&self) -> bool {
         false
     }
+
+    fn end_of_turn(&self) -> &'static str {
+        IM_END
+    }
 }
 
 /// An assistant turn with calls. The sampled text, when known, is printed exactly

@@ -118,6 +118,10 @@ impl Template for DeepSeek {
     fn supports_thinking(&self) -> bool {
         true
     }
+
+    fn end_of_turn(&self) -> &'static str {
+        EOS
+    }
 }
 
 /// §4.6: a tool result is verbatim except that it cannot close its wrapper.

@@ -98,4 +98,7 @@ pub trait Template: Send + Sync {
     /// Whether the family has a thinking mode (otherwise thinking requests are
     /// accepted and rendered as non-thinking).
     fn supports_thinking(&self) -> bool;
+    /// The text of the token that ends an assistant turn (what a finished
+    /// constrained answer must end with).
+    fn end_of_turn(&self) -> &'static str;
 }

@@ -298,9 +298,27 @@ fn errors_have_anthropic_shape() {
     .assert_error(400, bad, "unknown role \"tool\"");
     let long = json!([{ "role": "user", "content": "word ".repeat(200) }]);
     let r = post(p, "/v1/messages", &msg_body(long, json!({})));
-    r.assert_error(400, bad, "maximum context length is 64");
+    // Anthropic's wording, which Claude Code parses to compact its history.
+    r.assert_error(400, bad, "prompt is too long: ");
     let m = r.json()["error"]["message"].as_str().unwrap().to_string();
-    assert!(m.contains("needs "), "{m}");
+    assert!(m.ends_with(" tokens > 63 maximum"), "{m}");
+    // A prompt that fits with a `max_tokens` that does not: the numbers Claude
+    // Code retries with a smaller `max_tokens` from.
+    let r = post(
+        p,
+        "/v1/messages",
+        &msg_body(france(), json!({ "max_tokens": 60 })),
+    );
+    r.assert_error(
+        400,
+        bad,
+        "input length and `max_tokens` exceed context limit: ",
+    );
+    let m = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(
+        m.contains(" + 60 > 64, decrease input length or `max_tokens`"),
+        "{m}"
+    );
     request(p, "POST", "/v1/messages", &vec![b' '; 5000], &[]).assert_error(
         413,
         "request_too_large",

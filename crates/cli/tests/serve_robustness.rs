@@ -312,7 +312,7 @@ fn dialects() -> Vec<Dialect> {
                 ),
                 with(
                     &messages,
-                    json!({"messages": [{"role": "system", "content": "a"}]}),
+                    json!({"messages": [{"role": "tool", "content": "a"}]}),
                 ),
                 with(
                     &messages,

@@ -38,7 +38,7 @@ use crate::dialect::{
 };
 use crate::http::{self, AppState};
 use crate::turn::{CallOut, Piece, Turn};
-use crate::worker::{FinishReason, Usage};
+use crate::worker::{FinishReason, Overflow, Usage};
 
 #[derive(Deserialize)]
 struct Body {
@@ -55,6 +55,7 @@ struct Body {
     tool_choice: Option<Value>,
     thinking: Option<Value>,
     output_config: Option<OutputConfig>,
+    output_format: Option<Value>,
     reasoning_effort: Option<String>,
 }
 
@@ -156,11 +157,13 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
                 ))
             }
             "assistant" => out.push(assistant_message(m.content, i)?),
+            // Claude Code sends one after the first user turn (the agent and
+            // skill lists): a system turn where it stands.
+            "system" => out.push(system_message(m.content, i)?),
             other => {
                 return Err(BadRequest::new(
                     format!(
-                        "messages.{i}.role: unknown role {other:?} (user or assistant; \
-                         the system prompt goes in the top-level `system`)"
+                        "messages.{i}.role: unknown role {other:?} (user, assistant or system)"
                     ),
                     Some("messages"),
                 ))
@@ -176,6 +179,13 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
         think,
         cache_breakpoints: breakpoints,
         cache_key: None,
+        json_schema: crate::dialect::json_format(b.output_format.as_ref(), "output_format")?,
+        single_call: b
+            .tool_choice
+            .as_ref()
+            .and_then(|c| c.get("disable_parallel_tool_use"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
     };
     agent.validate()?;
     Ok(Request {
@@ -351,6 +361,26 @@ fn user_messages(content: Value, i: usize) -> Result<Vec<Message>, BadRequest> {
     Ok(out)
 }
 
+/// A system message inside `messages`: its text blocks, concatenated as a user
+/// message's are.
+fn system_message(content: Value, i: usize) -> Result<Message, BadRequest> {
+    let mut text = String::new();
+    for (j, b) in blocks(content, i)?.into_iter().enumerate() {
+        match block_type(&b, i, j)?.as_str() {
+            "text" => text.push_str(text_field(&b, "text", i, j)?),
+            ty => {
+                return Err(BadRequest::new(
+                    format!(
+                        "messages.{i}.content.{j}: {ty} blocks are not supported in system messages (text only)"
+                    ),
+                    Some("messages"),
+                ))
+            }
+        }
+    }
+    Ok(Message::new(Role::System, text))
+}
+
 /// An assistant message: text, thinking (kept as reasoning) and tool calls.
 fn assistant_message(content: Value, i: usize) -> Result<Message, BadRequest> {
     let mut m = Message::new(Role::Assistant, "");
@@ -401,6 +431,7 @@ fn stop_reason(f: FinishReason) -> &'static str {
     match f {
         FinishReason::Stop => "end_turn",
         FinishReason::Length => "max_tokens",
+        FinishReason::ContextFull => "model_context_window_exceeded",
         FinishReason::ToolCalls => "tool_use",
     }
 }
@@ -501,6 +532,22 @@ impl Dialect for Anthropic {
 
     fn error(&self, status: StatusCode, message: &str, kind: ErrorKind) -> Response {
         (status, Json(error_body(status, message, kind))).into_response()
+    }
+
+    /// Anthropic's own wording, which Claude Code parses: the second form makes it
+    /// retry with a `max_tokens` that fits, the first makes it compact.
+    fn overflow_message(&self, o: &Overflow) -> String {
+        match o.max_tokens {
+            None => format!(
+                "prompt is too long: {} tokens > {} maximum",
+                o.prompt_tokens,
+                o.n_ctx.saturating_sub(1)
+            ),
+            Some(m) => format!(
+                "input length and `max_tokens` exceed context limit: {} + {m} > {}, decrease input length or `max_tokens` and try again",
+                o.prompt_tokens, o.n_ctx
+            ),
+        }
     }
 
     fn complete(&self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
@@ -718,6 +765,79 @@ mod tests {
         assert!(!p.stream);
     }
 
+    /// Claude Code 2.1's first request: a system message after the first user
+    /// turn (the agent and skill lists), kept where it stands.
+    #[test]
+    fn system_messages_stand_where_they_are_sent() {
+        let p = parse_messages(
+            br#"{"max_tokens":9,"system":[{"type":"text","text":"top"}],
+            "messages":[{"role":"user","content":"hi"},
+              {"role":"system","content":"agents: a, b"},
+              {"role":"assistant","content":"ok"},
+              {"role":"system","content":[{"type":"text","text":"x"},{"type":"text","text":"y","cache_control":{"type":"ephemeral"}}]},
+              {"role":"user","content":"go"}]}"#,
+        )
+        .unwrap();
+        let Input::Messages(m) = &p.input else {
+            panic!()
+        };
+        assert_eq!(
+            m,
+            &[
+                Message::new(Role::System, "top"),
+                Message::new(Role::User, "hi"),
+                Message::new(Role::System, "agents: a, b"),
+                Message::new(Role::Assistant, "ok"),
+                Message::new(Role::System, "xy"),
+                Message::new(Role::User, "go"),
+            ]
+        );
+        assert_eq!(p.agent.cache_breakpoints, vec![4]);
+
+        let fixture = std::fs::read(ds4_testdata::vectors_dir(
+            "clients/claude-code-2.1.197-messages.json",
+        ))
+        .unwrap();
+        let p = parse_messages(&fixture).unwrap();
+        let Input::Messages(m) = &p.input else {
+            panic!()
+        };
+        let roles: Vec<Role> = m.iter().map(|m| m.role).collect();
+        assert_eq!(roles, [Role::System, Role::User, Role::System]);
+        assert!(m[2]
+            .content
+            .starts_with("Available agent types for the Agent tool:"));
+        assert_eq!(p.agent.tools.len(), 26);
+        assert_eq!(p.max_tokens, Some(32000));
+    }
+
+    #[test]
+    fn overflows_are_worded_as_anthropic_words_them() {
+        let d = Anthropic::default();
+        let prompt_only = Overflow {
+            prompt_tokens: 21400,
+            max_tokens: None,
+            n_ctx: 8192,
+        };
+        assert_eq!(
+            d.overflow_message(&prompt_only),
+            "prompt is too long: 21400 tokens > 8191 maximum"
+        );
+        let with_limit = Overflow {
+            max_tokens: Some(32000),
+            n_ctx: 32768,
+            ..prompt_only
+        };
+        assert_eq!(
+            d.overflow_message(&with_limit),
+            "input length and `max_tokens` exceed context limit: 21400 + 32000 > 32768, decrease input length or `max_tokens` and try again"
+        );
+        assert_eq!(
+            stop_reason(FinishReason::ContextFull),
+            "model_context_window_exceeded"
+        );
+    }
+
     #[test]
     fn tool_use_and_results_become_calls_and_tool_messages() {
         let p = parse_messages(
@@ -867,9 +987,13 @@ mod tests {
         assert!(bad(&user(r#"[{"text":"x"}]"#)).contains("content.0.type"));
         assert!(bad(&user("5")).contains("must be a string or an array"));
         assert!(
-            bad(r#"{"max_tokens":1,"messages":[{"role":"system","content":"x"}]}"#)
-                .contains("unknown role \"system\"")
+            bad(r#"{"max_tokens":1,"messages":[{"role":"tool","content":"x"}]}"#)
+                .contains("unknown role \"tool\"")
         );
+        assert!(bad(
+            r#"{"max_tokens":1,"messages":[{"role":"user","content":"x"},{"role":"system","content":[{"type":"tool_use","id":"t","name":"f","input":{}}]}]}"#
+        )
+        .contains("not supported in system messages"));
         assert!(bad(
             r#"{"max_tokens":1,"messages":[{"role":"user","content":"x"},{"role":"assistant","content":"{"}]}"#
         )

@@ -11,7 +11,7 @@ use ds4_engine::SamplerConfig;
 use serde_json::Value;
 
 use crate::turn::{Piece, Turn};
-use crate::worker::{FinishReason, Usage};
+use crate::worker::{FinishReason, Overflow, Usage};
 
 /// A request in the engine's terms.
 #[derive(Debug)]
@@ -41,6 +41,12 @@ pub struct AgentOptions {
     pub cache_breakpoints: Vec<usize>,
     /// OpenAI `prompt_cache_key`: requests with one key share a session slot.
     pub cache_key: Option<String>,
+    /// The client allows only one call per turn (OpenAI
+    /// `parallel_tool_calls: false`, Anthropic `disable_parallel_tool_use`).
+    pub single_call: bool,
+    /// Structured output (`response_format`, Responses `text.format`,
+    /// Anthropic `output_format`): the answer is JSON valid against this schema.
+    pub json_schema: Option<Value>,
 }
 
 impl AgentOptions {
@@ -67,6 +73,36 @@ impl AgentOptions {
             ToolChoice::None => &[],
             _ => &self.tools,
         }
+    }
+}
+
+/// A structured-output setting: OpenAI chat's `response_format`
+/// (`{"type": "json_schema", "json_schema": {"schema": ...}}`), the Responses
+/// API's `text.format` and Anthropic's `output_format` (the schema at the top
+/// level), or `json_object` (any object). `text` and null mean none.
+pub fn json_format(v: Option<&Value>, param: &'static str) -> Result<Option<Value>, BadRequest> {
+    let bad = |m: String| BadRequest::new(m, Some(param));
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    match v.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(serde_json::json!({ "type": "object" }))),
+        Some("json_schema") => {
+            let schema = v
+                .get("json_schema")
+                .and_then(|j| j.get("schema"))
+                .or_else(|| v.get("schema"));
+            match schema {
+                Some(s @ Value::Object(_)) => Ok(Some(s.clone())),
+                Some(_) => Err(bad(format!("{param}: the schema must be a JSON object"))),
+                None => Err(bad(format!("{param}: json_schema needs a `schema`"))),
+            }
+        }
+        Some(other) => Err(bad(format!(
+            "{param}: type {other:?} is not supported (text, json_object, json_schema)"
+        ))),
+        None => Err(bad(format!("{param}: a string `type` is required"))),
     }
 }
 
@@ -211,6 +247,24 @@ pub trait Dialect: Send + Sync + 'static {
             &e.message,
             ErrorKind::InvalidRequest,
         )
+    }
+    /// The message of a request that does not fit the context, in the words
+    /// this dialect's clients look for: OpenAI's (with the code
+    /// `context_length_exceeded`, which Codex and opencode act on) unless the
+    /// dialect says otherwise.
+    fn overflow_message(&self, o: &Overflow) -> String {
+        match o.max_tokens {
+            None => format!(
+                "This model's maximum context length is {} tokens. However, your messages resulted in {} tokens. Please reduce the length of the messages.",
+                o.n_ctx, o.prompt_tokens
+            ),
+            Some(m) => format!(
+                "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the messages, {m} in the completion). Please reduce the length of the messages or completion.",
+                o.n_ctx,
+                o.prompt_tokens + m,
+                o.prompt_tokens
+            ),
+        }
     }
     /// The non-streaming response body.
     fn complete(&self, g: &Gen, turn: &Turn, finish: FinishReason, usage: &Usage) -> Value;

@@ -30,7 +30,9 @@ use crate::openai::{self, Kind, OpenAi};
 use crate::tooling::{ReplayStats, ToolMemory};
 use crate::trace::Trace;
 use crate::turn::{Shaper, Turn};
-use crate::worker::{Event, FinishReason, Job, JobError, SubmitError, Usage, WorkerHandle};
+use crate::worker::{
+    Event, FinishReason, Gate, Job, JobError, SubmitError, TokenLimit, Usage, WorkerHandle,
+};
 
 /// Server settings.
 #[derive(Clone, Debug)]
@@ -69,6 +71,9 @@ pub(crate) struct AppState {
     /// The served model, for tokenizing on the HTTP side (token counts).
     pub model: Arc<Model>,
     pub template: Option<Box<dyn Template>>,
+    /// The vocabulary for constrained decoding (`None` when the model has no
+    /// usable end-of-turn token).
+    pub grammar: Option<ds4_grammar::Vocab>,
     pub metrics: Arc<Metrics>,
     pub tool_memory: Arc<ToolMemory>,
     trace: Option<Arc<Trace>>,
@@ -91,6 +96,13 @@ pub fn router(
         .chat_template()
         .and_then(ChatMl::from_template)
         .map(|t| Box::new(t) as Box<dyn Template>);
+    // A finished grammar must end the turn: the template's end-of-turn token,
+    // or the vocabulary's end of text for raw completions.
+    let end_of_turn = template
+        .as_ref()
+        .and_then(|t| model.tokenizer.token_id(t.end_of_turn()))
+        .or(model.tokenizer.eos());
+    let grammar = end_of_turn.and_then(|id| ds4_grammar::Vocab::new(Arc::clone(&model), id).ok());
     let normalizer = match &cfg.normalize {
         Some(extra) => Normalizer::new(extra)?,
         None => Normalizer::off(),
@@ -100,6 +112,7 @@ pub fn router(
         worker,
         model,
         template,
+        grammar,
         metrics,
         tool_memory,
         trace,
@@ -116,6 +129,7 @@ pub fn router(
         )
         .route("/v1/responses", post(crate::responses::create))
         .route("/v1/models", get(models))
+        .route("/", get(root))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
@@ -222,6 +236,11 @@ async fn metrics_text(State(st): State<Arc<AppState>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 
+/// `GET /` and `HEAD /` (Claude Code's connectivity check before a session).
+async fn root(State(st): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({ "name": "ds4", "model": st.cfg.model_name, "status": "ok" }))
+}
+
 async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
     Json(json!({ "status": "ok", "queue_depth": st.worker.queue_depth() }))
 }
@@ -262,7 +281,13 @@ fn now() -> u64 {
 /// The error response a job failure turns into, in the dialect's shape.
 fn job_error(d: &dyn Dialect, e: &JobError) -> Response {
     let (status, kind) = match e {
-        JobError::ContextLength { .. } => (StatusCode::BAD_REQUEST, ErrorKind::ContextLength),
+        JobError::ContextLength(o) => {
+            return d.error(
+                StatusCode::BAD_REQUEST,
+                &d.overflow_message(o),
+                ErrorKind::ContextLength,
+            )
+        }
         JobError::EmptyPrompt => (StatusCode::BAD_REQUEST, ErrorKind::InvalidRequest),
         JobError::Engine(_) => (StatusCode::INTERNAL_SERVER_ERROR, ErrorKind::Server),
         JobError::Cancelled => (StatusCode::SERVICE_UNAVAILABLE, ErrorKind::Overloaded),
@@ -282,6 +307,22 @@ pub(crate) struct Rendered {
     pub replay: ReplayStats,
     /// Byte offsets of the client's cache breakpoints in `prompt`.
     pub breakpoints: Vec<usize>,
+    pub grammar: Option<GrammarPlan>,
+}
+
+/// What the output of a request is held to.
+pub(crate) enum GrammarPlan {
+    /// A forced tool call (the prompt ends with the call's opening): the
+    /// family's call grammar from the first token.
+    ForcedCall(String),
+    /// Tools offered, the model free to call one: the call grammar once it
+    /// writes the opening (`trigger`) itself.
+    Call {
+        trigger: &'static str,
+        grammar: String,
+    },
+    /// Structured output: JSON valid against the request's schema.
+    Json(String),
 }
 
 /// Renders a request: a raw prompt as is, messages (normalised, with remembered
@@ -296,6 +337,11 @@ pub(crate) fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'stati
                 think: ThinkMode::None,
                 replay: ReplayStats::default(),
                 breakpoints: vec![],
+                grammar: p
+                    .agent
+                    .json_schema
+                    .as_ref()
+                    .map(|s| GrammarPlan::Json(json_grammar(s))),
             })
         }
         (Input::Messages(m), Some(t)) => (m, t),
@@ -347,14 +393,63 @@ pub(crate) fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'stati
     if let Some(f) = &forced {
         prompt.push_str(f);
     }
+    let call_grammar = syntax.call_grammar(tools, &p.agent.tool_choice, !p.agent.single_call);
+    let grammar = match (&forced, call_grammar, syntax.call_trigger()) {
+        (Some(_), Some(g), _) => Some(GrammarPlan::ForcedCall(g)),
+        _ if p.agent.json_schema.is_some() => p
+            .agent
+            .json_schema
+            .as_ref()
+            .map(|s| GrammarPlan::Json(json_grammar(s))),
+        (None, Some(grammar), Some(trigger)) => Some(GrammarPlan::Call { trigger, grammar }),
+        _ => None,
+    };
     Ok(Rendered {
         prompt,
         breakpoints,
+        grammar,
         parser: (!tools.is_empty()).then(|| syntax.parser(tools)),
         forced,
         think,
         replay,
     })
+}
+
+/// The grammar of structured output: one JSON value valid against `schema`.
+fn json_grammar(schema: &Value) -> String {
+    format!("start: {}", ds4_chat::tools::json_rule(schema))
+}
+
+/// Compiles a request's grammar plan. A tool-call grammar that does not compile
+/// (a schema the engine cannot hold) leaves the call unconstrained — parsed as
+/// before, with a trace note; a structured-output schema that does not compile
+/// is the client's to fix (400).
+fn compile(st: &AppState, id: &str, plan: GrammarPlan) -> Result<Option<Gate>, String> {
+    let Some(vocab) = &st.grammar else {
+        return match plan {
+            GrammarPlan::Json(_) => Err(
+                "structured output is not available for this model (no end-of-turn token)".into(),
+            ),
+            _ => Ok(None),
+        };
+    };
+    let (text, trigger) = match &plan {
+        GrammarPlan::ForcedCall(g) | GrammarPlan::Json(g) => (g, None),
+        GrammarPlan::Call { trigger, grammar } => (grammar, Some(*trigger)),
+    };
+    match vocab.constraint(text) {
+        Ok(constraint) => Ok(Some(Gate {
+            constraint,
+            trigger,
+        })),
+        Err(e) if matches!(plan, GrammarPlan::Json(_)) => Err(e.to_string()),
+        Err(e) => {
+            if let Some(t) = &st.trace {
+                t.write(json!({ "event": "grammar_unusable", "id": id, "error": e.to_string() }));
+            }
+            Ok(None)
+        }
+    }
 }
 
 /// Runs a parsed request of any dialect: renders the prompt, queues the job and
@@ -382,16 +477,44 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
         d.id_prefix(),
         st.next_id.fetch_add(1, Ordering::Relaxed)
     );
+    let gate = match r.grammar {
+        None => None,
+        Some(plan) => {
+            // Compiling a grammar (dozens of tool schemas) is CPU work: off the
+            // async threads.
+            let (st2, id2) = (Arc::clone(&st), id.clone());
+            match tokio::task::spawn_blocking(move || compile(&st2, &id2, plan)).await {
+                Ok(Ok(g)) => g,
+                Ok(Err(msg)) => {
+                    return d.bad_request(crate::dialect::BadRequest::new(
+                        format!("the output schema cannot be used: {msg}"),
+                        None,
+                    ))
+                }
+                Err(e) => {
+                    return d.error(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        &format!("grammar compilation failed: {e}"),
+                        ErrorKind::Server,
+                    )
+                }
+            }
+        }
+    };
     let job = Job {
         id: id.clone(),
         route: ROUTE.try_with(Clone::clone).unwrap_or_default(),
         prompt: r.prompt,
         sampling,
-        max_tokens: p.max_tokens.unwrap_or(st.cfg.default_max_tokens),
+        limit: match p.max_tokens {
+            Some(m) => TokenLimit::Requested(m),
+            None => TokenLimit::Default(st.cfg.default_max_tokens),
+        },
         stop: p.stop.clone(),
         replay: r.replay,
         cache_key: p.agent.cache_key.clone(),
         breakpoints: r.breakpoints,
+        gate,
         events: tx,
     };
     match st.worker.submit(job) {

@@ -45,6 +45,7 @@ struct Common {
     think: Option<Value>,
     reasoning_effort: Option<String>,
     prompt_cache_key: Option<String>,
+    parallel_tool_calls: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -149,17 +150,6 @@ fn common(c: Common) -> Result<Request, BadRequest> {
             Some("functions"),
         ));
     }
-    if c.response_format
-        .as_ref()
-        .and_then(|r| r.get("type"))
-        .and_then(Value::as_str)
-        .is_some_and(|t| t != "text")
-    {
-        return Err(BadRequest::new(
-            "only the text response format is supported",
-            Some("response_format"),
-        ));
-    }
     let stop = match c.stop {
         None | Some(Value::Null) => vec![],
         Some(Value::String(s)) => vec![s],
@@ -207,6 +197,8 @@ fn common(c: Common) -> Result<Request, BadRequest> {
         )?,
         cache_breakpoints: vec![],
         cache_key: c.prompt_cache_key,
+        json_schema: crate::dialect::json_format(c.response_format.as_ref(), "response_format")?,
+        single_call: c.parallel_tool_calls == Some(false),
     };
     agent.validate()?;
     Ok(Request {
@@ -633,6 +625,32 @@ mod tests {
                 c["choices"][0]["finish_reason"].clone()
             ),
             (json!({}), json!("length"))
+        );
+    }
+
+    #[test]
+    fn overflows_carry_openais_wording_and_code() {
+        use crate::worker::Overflow;
+        let d = OpenAi(Kind::Chat);
+        let o = Overflow {
+            prompt_tokens: 9000,
+            max_tokens: None,
+            n_ctx: 8192,
+        };
+        assert!(d
+            .overflow_message(&o)
+            .starts_with("This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens."));
+        let o = Overflow {
+            prompt_tokens: 7000,
+            max_tokens: Some(2000),
+            ..o
+        };
+        assert!(d
+            .overflow_message(&o)
+            .contains("you requested 9000 tokens (7000 in the messages, 2000 in the completion)"));
+        assert_eq!(
+            error_body("m", ErrorKind::ContextLength, None)["error"]["code"],
+            "context_length_exceeded"
         );
     }
 }

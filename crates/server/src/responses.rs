@@ -9,6 +9,7 @@
 //! supported; hosted tools are skipped. `reasoning.effort` selects the thinking
 //! mode; `reasoning` input items are dropped (the family re-renders what it keeps).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -70,13 +71,7 @@ struct Reasoning {
 
 #[derive(Deserialize)]
 struct TextConfig {
-    format: Option<TextFormat>,
-}
-
-#[derive(Deserialize)]
-struct TextFormat {
-    #[serde(rename = "type")]
-    ty: String,
+    format: Option<Value>,
 }
 
 /// Request parameters a response object echoes back (OpenAI returns them in
@@ -95,6 +90,13 @@ struct Echo {
     /// `reasoning.summary` auto / concise / detailed: reasoning is returned as a
     /// `reasoning` item with a summary text.
     reasoning_summary: Option<String>,
+    /// The `tools` array as the client sent it.
+    tools: Value,
+    /// `text.format` as sent (`{"type": "text"}` when absent).
+    text_format: Value,
+    /// Functions declared inside `namespace` tools, and their namespace: a call
+    /// to one names it (`"namespace"` on the `function_call` item).
+    namespaces: HashMap<String, String>,
 }
 
 /// The Responses wire format of one request. It is built per request: it echoes
@@ -139,6 +141,7 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         ));
     }
     let tools = crate::tooling::parse_tools(b.tools.as_ref()).map_err(|m| bad(m, "tools"))?;
+    let text_format = b.text.and_then(|t| t.format).filter(|f| !f.is_null());
     let (effort, summary) = match b.reasoning {
         Some(r) => (r.effort, r.summary),
         None => (None, None),
@@ -164,16 +167,10 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         think: think_mode(control, effort.as_deref(), b.model.as_deref(), "reasoning")?,
         cache_breakpoints: vec![],
         cache_key: b.prompt_cache_key,
+        json_schema: crate::dialect::json_format(text_format.as_ref(), "text.format")?,
+        single_call: b.parallel_tool_calls == Some(false),
     };
     agent.validate()?;
-    if let Some(f) = b.text.and_then(|t| t.format) {
-        if f.ty != "text" {
-            return Err(bad(
-                format!("text.format {:?} is not supported (only \"text\")", f.ty),
-                "text",
-            ));
-        }
-    }
     if b.top_logprobs.is_some_and(|n| n > 0) {
         return Err(bad("logprobs are not supported yet", "top_logprobs"));
     }
@@ -223,6 +220,9 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
             .unwrap_or(json!("auto")),
         reasoning_effort: effort,
         reasoning_summary: summary,
+        namespaces: crate::tooling::namespaces(b.tools.as_ref()),
+        tools: b.tools.filter(|t| !t.is_null()).unwrap_or(json!([])),
+        text_format: text_format.unwrap_or(json!({ "type": "text" })),
     };
     let request = Request {
         model: b.model,
@@ -425,10 +425,15 @@ fn message_item(id: &str, status: &str, text: Option<&str>) -> Value {
     json!({ "type": "message", "id": id, "status": status, "role": "assistant", "content": content })
 }
 
-/// A `function_call` output item (`arguments` empty while it streams).
-fn call_item(c: &CallOut, status: &str, arguments: &str) -> Value {
-    json!({ "type": "function_call", "id": call_item_id(c), "call_id": c.id, "name": c.name,
-            "arguments": arguments, "status": status })
+/// A `function_call` output item (`arguments` empty while it streams), with the
+/// `namespace` of a function declared in one.
+fn call_item(c: &CallOut, status: &str, arguments: &str, ns: &HashMap<String, String>) -> Value {
+    let mut item = json!({ "type": "function_call", "id": call_item_id(c), "call_id": c.id,
+                           "name": c.name, "arguments": arguments, "status": status });
+    if let Some(ns) = ns.get(&c.name) {
+        item["namespace"] = json!(ns);
+    }
+    item
 }
 
 /// The item id of a call: `fc_` and the hex of its call id (stable per call).
@@ -438,7 +443,13 @@ fn call_item_id(c: &CallOut) -> String {
 
 /// The output items of a finished turn: the message (output index 0, opened
 /// before the first token), the reasoning when asked for, then the calls.
-fn output_items(g: &Gen, summary: bool, item_status: &str, turn: &Turn) -> Vec<Value> {
+fn output_items(
+    g: &Gen,
+    summary: bool,
+    item_status: &str,
+    turn: &Turn,
+    ns: &HashMap<String, String>,
+) -> Vec<Value> {
     let mut items = vec![message_item(&ids(g).1, item_status, Some(&turn.content))];
     if summary && !turn.reasoning.is_empty() {
         items.push(reasoning_item(g, Some(&turn.reasoning)));
@@ -446,7 +457,7 @@ fn output_items(g: &Gen, summary: bool, item_status: &str, turn: &Turn) -> Vec<V
     items.extend(
         turn.calls
             .iter()
-            .map(|c| call_item(c, "completed", &c.arguments)),
+            .map(|c| call_item(c, "completed", &c.arguments, ns)),
     );
     items
 }
@@ -455,7 +466,7 @@ fn output_items(g: &Gen, summary: bool, item_status: &str, turn: &Turn) -> Vec<V
 fn statuses(finish: FinishReason) -> (&'static str, &'static str, Value) {
     match finish {
         FinishReason::Stop | FinishReason::ToolCalls => ("completed", "completed", Value::Null),
-        FinishReason::Length => (
+        FinishReason::Length | FinishReason::ContextFull => (
             "incomplete",
             "incomplete",
             json!({ "reason": "max_output_tokens" }),
@@ -498,9 +509,9 @@ impl Responses {
             "reasoning": { "effort": e.reasoning_effort, "summary": e.reasoning_summary },
             "store": false,
             "temperature": short_float(e.temperature),
-            "text": { "format": { "type": "text" } },
+            "text": { "format": e.text_format },
             "tool_choice": e.tool_choice,
-            "tools": [],
+            "tools": e.tools,
             "top_p": short_float(e.top_p),
             "truncation": "disabled",
             "usage": usage.map(usage_json),
@@ -558,7 +569,7 @@ impl Responses {
         out.extend([
             self.event(
                 "response.output_item.added",
-                json!({ "output_index": output_index, "item": call_item(c, "in_progress", "") }),
+                json!({ "output_index": output_index, "item": call_item(c, "in_progress", "", &self.echo.namespaces) }),
             ),
             self.event(
                 "response.function_call_arguments.delta",
@@ -570,7 +581,7 @@ impl Responses {
             ),
             self.event(
                 "response.output_item.done",
-                json!({ "output_index": output_index, "item": call_item(c, "completed", &c.arguments) }),
+                json!({ "output_index": output_index, "item": call_item(c, "completed", &c.arguments, &self.echo.namespaces) }),
             ),
         ]);
         out
@@ -652,12 +663,18 @@ impl Responses {
         let item = message_item(&msg_id, item_status, Some(text));
         let terminal = match finish {
             FinishReason::Stop | FinishReason::ToolCalls => "response.completed",
-            FinishReason::Length => "response.incomplete",
+            FinishReason::Length | FinishReason::ContextFull => "response.incomplete",
         };
         let r = self.object(
             g,
             status,
-            output_items(g, self.echo.reasoning_summary.is_some(), item_status, turn),
+            output_items(
+                g,
+                self.echo.reasoning_summary.is_some(),
+                item_status,
+                turn,
+                &self.echo.namespaces,
+            ),
             Some(u),
             incomplete,
             Value::Null,
@@ -718,7 +735,13 @@ impl Dialect for Responses {
 
     fn complete(&self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
         let (item_status, status, incomplete) = statuses(finish);
-        let items = output_items(g, self.echo.reasoning_summary.is_some(), item_status, turn);
+        let items = output_items(
+            g,
+            self.echo.reasoning_summary.is_some(),
+            item_status,
+            turn,
+            &self.echo.namespaces,
+        );
         self.object(g, status, items, Some(u), incomplete, Value::Null)
     }
 
@@ -957,9 +980,14 @@ mod tests {
                 "unknown reasoning effort",
             ),
             (
-                r#"{"input":"x","text":{"format":{"type":"json_schema","name":"n","schema":{}}}}"#,
-                "text",
-                "json_schema",
+                r#"{"input":"x","text":{"format":{"type":"xml"}}}"#,
+                "text.format",
+                "type \"xml\" is not supported",
+            ),
+            (
+                r#"{"input":"x","text":{"format":{"type":"json_schema","name":"n","schema":5}}}"#,
+                "text.format",
+                "the schema must be a JSON object",
             ),
             (
                 r#"{"input":"x","top_logprobs":3}"#,
@@ -1189,5 +1217,45 @@ mod tests {
             (&json!("failed"), &json!("server_error"))
         );
         assert_eq!(r["output"][0]["content"][0]["text"], "Pa");
+    }
+
+    /// Codex 0.171's first request: its `namespace` tool's functions join the
+    /// flat list, the echo shows the nine tools it sent, and a call to a
+    /// namespaced function names its namespace.
+    #[test]
+    fn codex_namespace_tools_are_flattened_and_echoed() {
+        let body = std::fs::read(ds4_testdata::vectors_dir(
+            "clients/codex-0.171.0-responses.json",
+        ))
+        .unwrap();
+        let (p, d) = parse(&body).unwrap();
+        let names: Vec<&str> = p.agent.tools.iter().map(|t| t.name.as_str()).collect();
+        for want in ["exec_command", "close_agent", "spawn_agent", "update_goal"] {
+            assert!(names.contains(&want), "{want} not in {names:?}");
+        }
+        assert!(!names.contains(&"multi_agent_v1"), "{names:?}");
+        assert_eq!(d.echo.tools.as_array().map(Vec::len), Some(9));
+        assert_eq!(
+            d.echo.namespaces.get("close_agent").map(String::as_str),
+            Some("multi_agent_v1")
+        );
+        let call = |name: &str| CallOut {
+            id: "call_1".into(),
+            name: name.into(),
+            arguments: "{}".into(),
+        };
+        let g = gen();
+        let v = d.complete(
+            &g,
+            &Turn {
+                calls: vec![call("close_agent"), call("exec_command")],
+                ..Turn::default()
+            },
+            FinishReason::ToolCalls,
+            &usage(),
+        );
+        assert_eq!(v["output"][1]["namespace"], "multi_agent_v1");
+        assert_eq!(v["output"][2].get("namespace"), None);
+        assert_eq!(v["tools"].as_array().map(Vec::len), Some(9));
     }
 }

@@ -19,10 +19,10 @@ const SAVE_SCAN_TURNS: usize = 1024;
 /// description, parameters}}`, Anthropic `{name, description, input_schema}` or
 /// Responses `{type: "function", name, description, parameters}`. Hosted tools
 /// (a `type` other than function/custom and no schema, e.g. web search) are not
-/// ours to run: `Ok(None)`.
-pub fn parse_tool(v: &Value, i: usize) -> Result<Option<ToolSpec>, String> {
+/// ours to run: `Ok(None)`. `at` names the item in errors (`tools[3]`).
+fn parse_tool(v: &Value, at: &str) -> Result<Option<ToolSpec>, String> {
     let Some(obj) = v.as_object() else {
-        return Err(format!("tools[{i}] must be an object"));
+        return Err(format!("{at} must be an object"));
     };
     let def = obj.get("function").unwrap_or(v);
     let schema = def.get("parameters").or_else(|| def.get("input_schema"));
@@ -32,21 +32,17 @@ pub fn parse_tool(v: &Value, i: usize) -> Result<Option<ToolSpec>, String> {
     }
     let name = match def.get("name") {
         Some(Value::String(n)) if !n.is_empty() => n.clone(),
-        _ => return Err(format!("tools[{i}]: a non-empty string `name` is required")),
+        _ => return Err(format!("{at}: a non-empty string `name` is required")),
     };
     let description = match def.get("description") {
         None | Some(Value::Null) => String::new(),
         Some(Value::String(d)) => d.clone(),
-        Some(_) => return Err(format!("tools[{i}].description must be a string")),
+        Some(_) => return Err(format!("{at}.description must be a string")),
     };
     let parameters = match schema {
         None | Some(Value::Null) => r#"{"type":"object","properties":{}}"#.to_string(),
         Some(s @ Value::Object(_)) => s.to_string(),
-        Some(_) => {
-            return Err(format!(
-                "tools[{i}]: the parameter schema must be an object"
-            ))
-        }
+        Some(_) => return Err(format!("{at}: the parameter schema must be an object")),
     };
     Ok(Some(ToolSpec {
         name,
@@ -57,7 +53,10 @@ pub fn parse_tool(v: &Value, i: usize) -> Result<Option<ToolSpec>, String> {
     }))
 }
 
-/// Parses a `tools` array; `None` and null mean no tools.
+/// Parses a `tools` array; `None` and null mean no tools. A Responses
+/// `namespace` item (`{type: "namespace", name, tools: [...]}`, Codex's sub-agent
+/// tools) contributes its functions to the flat list under their own names; see
+/// [`namespaces`] for the way back.
 pub fn parse_tools(tools: Option<&Value>) -> Result<Vec<ToolSpec>, String> {
     let items = match tools {
         None | Some(Value::Null) => return Ok(vec![]),
@@ -66,14 +65,60 @@ pub fn parse_tools(tools: Option<&Value>) -> Result<Vec<ToolSpec>, String> {
     };
     let mut out = Vec::new();
     for (i, item) in items.iter().enumerate() {
-        if let Some(t) = parse_tool(item, i)? {
-            if out.iter().any(|o: &ToolSpec| o.name == t.name) {
-                return Err(format!("tools[{i}]: duplicate tool name {:?}", t.name));
+        let at = format!("tools[{i}]");
+        let nested = match namespace_of(item) {
+            Some((_, nested)) => nested,
+            None => {
+                push_tool(&mut out, parse_tool(item, &at)?, &at)?;
+                continue;
             }
-            out.push(t);
+        };
+        let Some(nested) = nested.as_array() else {
+            return Err(format!("{at}.tools must be an array"));
+        };
+        for (k, t) in nested.iter().enumerate() {
+            let at = format!("{at}.tools[{k}]");
+            push_tool(&mut out, parse_tool(t, &at)?, &at)?;
         }
     }
     Ok(out)
+}
+
+/// A `namespace` tool item's name and its nested `tools`.
+fn namespace_of(item: &Value) -> Option<(&str, &Value)> {
+    if item.get("type").and_then(Value::as_str) != Some("namespace") {
+        return None;
+    }
+    let name = item.get("name").and_then(Value::as_str).unwrap_or("");
+    Some((name, item.get("tools").unwrap_or(&Value::Null)))
+}
+
+fn push_tool(out: &mut Vec<ToolSpec>, t: Option<ToolSpec>, at: &str) -> Result<(), String> {
+    let Some(t) = t else { return Ok(()) };
+    if out.iter().any(|o| o.name == t.name) {
+        return Err(format!("{at}: duplicate tool name {:?}", t.name));
+    }
+    out.push(t);
+    Ok(())
+}
+
+/// Function name -> the `namespace` it was declared in, for the functions of
+/// `namespace` items in a `tools` array (a call to one goes back to the client
+/// with its namespace).
+pub fn namespaces(tools: Option<&Value>) -> HashMap<String, String> {
+    let mut out = HashMap::new();
+    for item in tools.and_then(Value::as_array).into_iter().flatten() {
+        let Some((ns, nested)) = namespace_of(item) else {
+            continue;
+        };
+        for t in nested.as_array().into_iter().flatten() {
+            let def = t.get("function").unwrap_or(t);
+            if let Some(name) = def.get("name").and_then(Value::as_str) {
+                out.insert(name.to_string(), ns.to_string());
+            }
+        }
+    }
+    out
 }
 
 /// A fresh call id: `prefix` + 32 hex digits from the OS random source.

@@ -12,7 +12,11 @@ fn files_under(dir: &Path, root: &Path, out: &mut BTreeSet<String>) {
         if path.is_dir() {
             files_under(&path, root, out);
         } else {
-            let rel = path.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+            let rel = path
+                .strip_prefix(root)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
             out.insert(rel);
         }
     }
@@ -37,6 +41,9 @@ fn every_vector_matches_its_recorded_checksum() {
     for sub in ["llama-cpp", "clients"] {
         files_under(&root.join(sub), &root, &mut present);
     }
-    assert_eq!(present, listed, "files without a checksum, or listed but missing");
+    assert_eq!(
+        present, listed,
+        "files without a checksum, or listed but missing"
+    );
     assert!(listed.len() >= 20, "{} files", listed.len());
 }

@@ -63,18 +63,62 @@ impl ToolSyntax for Hermes {
         out
     }
 
+    /// The call's opening line; the grammar ([`call_grammar`](Self::call_grammar))
+    /// picks the tool (any, or the named one) and holds its arguments.
     fn forced_prefix(&self, choice: &ToolChoice) -> Option<String> {
         match choice {
             ToolChoice::Auto | ToolChoice::None => None,
-            ToolChoice::Required => Some(format!("{CALL_OPEN}\n{{\"name\": \"")),
-            ToolChoice::Named(name) => Some(format!(
-                "{CALL_OPEN}\n{{\"name\": \"{name}\", \"arguments\": "
-            )),
+            ToolChoice::Required | ToolChoice::Named(_) => Some(format!("{CALL_OPEN}\n")),
         }
     }
 
     fn parser(&self, _tools: &[ToolSpec]) -> Box<dyn ToolParser> {
         Box::new(HermesParser::default())
+    }
+
+    fn call_trigger(&self) -> Option<&'static str> {
+        Some(CALL_OPEN)
+    }
+
+    /// After `<tool_call>`: an optional newline (the forced prefix has it), the
+    /// call object `{"name": "...", "arguments": {...}}` with its keys in that
+    /// order, `\n</tool_call>`; then more calls in the same form or the end.
+    fn call_grammar(
+        &self,
+        tools: &[ToolSpec],
+        choice: &ToolChoice,
+        parallel: bool,
+    ) -> Option<String> {
+        let chosen: Vec<&ToolSpec> = match choice {
+            ToolChoice::None => return None,
+            ToolChoice::Named(n) => tools.iter().filter(|t| &t.name == n).collect(),
+            ToolChoice::Auto | ToolChoice::Required => tools.iter().collect(),
+        };
+        if chosen.is_empty() {
+            return None;
+        }
+        let mut g = String::from(if parallel {
+            "start: \"\\n\"? call more*\n\
+             more: \"\\n<tool_call>\\n\" call\n"
+        } else {
+            "start: \"\\n\"? call\n"
+        });
+        g.push_str("call: body \"\\n</tool_call>\"\n");
+        let names: Vec<String> = (0..chosen.len()).map(|i| format!("tool_{i}")).collect();
+        g.push_str(&format!("body: {}\n", names.join(" | ")));
+        for (rule, tool) in names.iter().zip(&chosen) {
+            let schema = serde_json::json!({
+                "type": "object",
+                "properties": {
+                    "name": { "const": tool.name },
+                    "arguments": super::call_arguments_schema(&tool.parameters),
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": false,
+            });
+            g.push_str(&format!("{rule}: {}\n", super::json_rule(&schema)));
+        }
+        Some(g)
     }
 }
 
@@ -399,19 +443,62 @@ mod tests {
         let required = Hermes
             .forced_prefix(&ToolChoice::Required)
             .unwrap_or_default();
-        assert_eq!(required, "<tool_call>\n{\"name\": \"");
-        let named = Hermes
-            .forced_prefix(&ToolChoice::Named("f".into()))
-            .unwrap_or_default();
-        assert_eq!(named, "<tool_call>\n{\"name\": \"f\", \"arguments\": ");
+        assert_eq!(required, "<tool_call>\n");
+        let named = Hermes.forced_prefix(&ToolChoice::Named("f".into()));
+        assert_eq!(named.as_deref(), Some("<tool_call>\n"));
+        assert_eq!(Hermes.call_trigger(), Some("<tool_call>"));
+        assert!(required.starts_with(Hermes.call_trigger().unwrap_or_default()));
 
         // The server feeds the prefix, then what the model generated.
-        let text = format!("{named}{{\"x\": 1}}}}\n</tool_call>");
+        let text =
+            format!("{required}{{\"name\": \"f\", \"arguments\": {{\"x\": 1}}}}\n</tool_call>");
         let (events, turn) = parse_every_way(&text);
         assert_eq!(events, vec![ToolEvent::Call(parsed("f", r#"{"x":1}"#))]);
         assert_eq!(turn.content, "");
-        let text = format!("{required}g\", \"arguments\": {{}}}}\n</tool_call>");
-        assert_eq!(parse_every_way(&text).1.calls, vec![parsed("g", "{}")]);
+    }
+
+    #[test]
+    fn the_call_grammar_names_the_offered_tools_and_closes_their_arguments() {
+        let tool = |name: &str, parameters: &str| ToolSpec {
+            name: name.into(),
+            description: String::new(),
+            parameters: parameters.into(),
+            raw: String::new(),
+        };
+        let tools = [
+            tool(
+                "get_weather",
+                r#"{"type":"object","properties":{"city":{"type":"string"}}}"#,
+            ),
+            tool("ls", "not json"),
+        ];
+        let all = Hermes
+            .call_grammar(&tools, &ToolChoice::Required, true)
+            .unwrap();
+        assert!(all.contains("more*"), "{all}");
+        let single = Hermes
+            .call_grammar(&tools, &ToolChoice::Required, false)
+            .unwrap();
+        assert!(!single.contains("more"), "{single}");
+        assert!(all.contains("body: tool_0 | tool_1\n"), "{all}");
+        assert!(all.contains(r#""name":{"const":"get_weather"}"#), "{all}");
+        assert!(
+            all.contains(r#""properties":{"city":{"type":"string"}},"additionalProperties":false"#),
+            "{all}"
+        );
+        // An unparsable schema takes any object.
+        assert!(all.contains(r#""arguments":{"type":"object"}"#), "{all}");
+        assert!(all.contains(r#""item_separator":", ""#), "{all}");
+        let named = Hermes
+            .call_grammar(&tools, &ToolChoice::Named("ls".into()), true)
+            .unwrap();
+        assert!(named.contains("body: tool_0\n") && !named.contains("get_weather"));
+        assert_eq!(Hermes.call_grammar(&tools, &ToolChoice::None, true), None);
+        assert_eq!(Hermes.call_grammar(&[], &ToolChoice::Auto, true), None);
+        assert_eq!(
+            Hermes.call_grammar(&tools, &ToolChoice::Named("nope".into()), true),
+            None
+        );
     }
 
     // Recorded model outputs from vLLM's Hermes parser tests

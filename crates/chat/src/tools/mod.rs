@@ -5,6 +5,8 @@
 //! Every syntax module implements [`ToolSyntax`]. Parsers are incremental and
 //! never fail: text that cannot be a complete, valid call is returned as text.
 
+use serde_json::{json, Value};
+
 mod dsml;
 mod glm;
 mod hermes;
@@ -101,6 +103,75 @@ pub trait ToolSyntax: Send + Sync {
     /// A fresh incremental parser for one generated turn; `tools` are the offered
     /// tools (some syntaxes need the schemas to type argument values).
     fn parser(&self, tools: &[ToolSpec]) -> Box<dyn ToolParser>;
+    /// The text that opens a call (`<tool_call>`): where constrained decoding of
+    /// a call starts when the model opens one on its own.
+    fn call_trigger(&self) -> Option<&'static str> {
+        None
+    }
+    /// A Lark grammar (llguidance's dialect, `%json` for the argument schemas)
+    /// of everything a turn may generate after [`call_trigger`](Self::call_trigger)
+    /// (the forced prefix ends with it): one or more calls of the offered tools
+    /// (`choice` `Named`: only that one; one call only unless `parallel`) with
+    /// arguments valid against their schemas, in this syntax, and nothing after
+    /// them. `None` when the syntax has no grammar; the output is then parsed
+    /// unconstrained.
+    fn call_grammar(
+        &self,
+        _tools: &[ToolSpec],
+        _choice: &ToolChoice,
+        _parallel: bool,
+    ) -> Option<String> {
+        None
+    }
+}
+
+/// A Lark `%json` rule body holding JSON to `schema` printed as Python's
+/// `json.dumps` prints it (`", "` and `": "`, no other whitespace: what the
+/// templates print, and no room for the model to loop on spaces). Unsupported
+/// schema features are approximated (`lenient`, `oneOf` as `anyOf`) rather than
+/// refused: a call that parses beats a request that fails.
+pub fn json_rule(schema: &Value) -> String {
+    let mut schema = schema.clone();
+    if let Value::Object(o) = &mut schema {
+        o.insert(
+            "x-guidance".into(),
+            json!({ "whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ",
+                    "coerce_one_of": true, "lenient": true }),
+        );
+    }
+    format!("%json {schema}")
+}
+
+/// A tool's argument schema as the grammar holds it: objects that list their
+/// `properties` and say nothing of others get `additionalProperties: false`,
+/// so a forced call ends when its listed keys are written instead of adding
+/// invented ones until the token limit (a subset of what the schema allows:
+/// every output still validates). An unparsable schema becomes any object.
+pub fn call_arguments_schema(parameters: &str) -> Value {
+    fn close(v: &mut Value) {
+        match v {
+            Value::Object(o) => {
+                if o.contains_key("properties") && !o.contains_key("additionalProperties") {
+                    o.insert("additionalProperties".into(), Value::Bool(false));
+                }
+                for (k, child) in o.iter_mut() {
+                    // Values under these keys are data, not schemas.
+                    if !matches!(k.as_str(), "const" | "enum" | "default" | "examples") {
+                        close(child);
+                    }
+                }
+            }
+            Value::Array(a) => a.iter_mut().for_each(close),
+            _ => {}
+        }
+    }
+    match serde_json::from_str::<Value>(parameters) {
+        Ok(mut v @ Value::Object(_)) => {
+            close(&mut v);
+            v
+        }
+        _ => json!({ "type": "object" }),
+    }
 }
 
 /// Incremental parser of one generated turn.
