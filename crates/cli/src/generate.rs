@@ -170,6 +170,7 @@ impl ModelArgs {
             .set_rope_request(RopeRequest {
                 kind: self.rope_scaling,
                 factor: self.rope_scale,
+                attn_temperature: self.yarn_attn_temperature.then_some(true),
             })
             .context("--rope-scaling / --rope-scale")?;
         Ok(model)

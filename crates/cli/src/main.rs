@@ -104,6 +104,12 @@ pub struct ModelArgs {
     /// --ctx may be at most 4x the trained context; with it, up to FACTOR x.
     #[arg(long, value_name = "FACTOR")]
     pub rope_scale: Option<f32>,
+    /// Turn on YaRN's attention temperature (cos and sin times 1 + 0.1 ln
+    /// FACTOR), which llama.cpp always applies. Default: on only when the model
+    /// file declares YaRN; a model stretched past the context it was trained on
+    /// answers short prompts as it does unscaled only without it.
+    #[arg(long)]
+    pub yarn_attn_temperature: bool,
 }
 
 fn main() -> Result<()> {

@@ -457,8 +457,11 @@ mod tests {
         use crate::rope::RopeScalingType;
         // SmolLM2's RoPE (64 dims, base 1e5) at YaRN x4 over 8192 positions:
         // pair 0 keeps its angle (pos rad), pair 31 (slow) turns by pos·inv_freq/4,
-        // pair 15 by pos·inv_freq·0.625; every value is scaled by 1 + 0.1·ln 4.
-        let y = RopeScaling::new(RopeScalingType::Yarn, 4.0, 8192).unwrap();
+        // pair 15 by pos·inv_freq·0.625; with the attention temperature every
+        // value is scaled by 1 + 0.1·ln 4.
+        let y = RopeScaling::new(RopeScalingType::Yarn, 4.0, 8192)
+            .unwrap()
+            .with_attn_temperature(true);
         let rope = Rope::scaled(100_000.0, 64, y);
         let mut sc = vec![(0.0, 0.0); 32];
         let pos = 1000usize;

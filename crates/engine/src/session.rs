@@ -264,19 +264,7 @@ impl Session {
         self.check_prefill(tokens)?;
         let mut done = 0;
         for chunk in tokens.chunks(self.scratch.max_batch) {
-            llama::forward(
-                &self.model,
-                &self.rope,
-                &mut self.state,
-                &mut self.scratch,
-                &self.pool,
-                self.precision,
-                chunk,
-                self.tokens.len(),
-                LogitsOut::Last(&mut self.logits),
-            );
-            self.tokens.extend_from_slice(chunk);
-            self.has_logits = true;
+            self.run_chunk(chunk, false);
             done += chunk.len();
             if !keep_going(done, tokens.len()) {
                 break;
@@ -313,29 +301,42 @@ impl Session {
         let n_vocab = self.model.hparams.n_vocab;
         let mut done = 0;
         for chunk in tokens.chunks(self.scratch.max_batch) {
-            let rows = &mut self.chunk_logits;
-            rows.resize(chunk.len() * n_vocab, 0.0);
-            llama::forward(
-                &self.model,
-                &self.rope,
-                &mut self.state,
-                &mut self.scratch,
-                &self.pool,
-                self.precision,
-                chunk,
-                self.tokens.len(),
-                LogitsOut::All(rows),
-            );
-            self.tokens.extend_from_slice(chunk);
+            self.run_chunk(chunk, true);
+            let rows = &self.chunk_logits;
             for (i, row) in rows.chunks_exact(n_vocab).enumerate() {
                 each(done + i, row);
             }
             self.logits
                 .copy_from_slice(&rows[(chunk.len() - 1) * n_vocab..]);
-            self.has_logits = true;
             done += chunk.len();
         }
         Ok(())
+    }
+
+    /// Runs one chunk (at most `prefill_chunk` tokens) after the held tokens:
+    /// the last token's logits into `logits`, or with `all_logits` every
+    /// token's into `chunk_logits`.
+    fn run_chunk(&mut self, chunk: &[u32], all_logits: bool) {
+        let out = if all_logits {
+            self.chunk_logits
+                .resize(chunk.len() * self.model.hparams.n_vocab, 0.0);
+            LogitsOut::All(&mut self.chunk_logits)
+        } else {
+            LogitsOut::Last(&mut self.logits)
+        };
+        llama::forward(
+            &self.model,
+            &self.rope,
+            &mut self.state,
+            &mut self.scratch,
+            &self.pool,
+            self.precision,
+            chunk,
+            self.tokens.len(),
+            out,
+        );
+        self.tokens.extend_from_slice(chunk);
+        self.has_logits = true;
     }
 
     /// Feeds one token (sampled or forced) and computes the next logits.

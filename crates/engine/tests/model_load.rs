@@ -332,7 +332,11 @@ fn with_request(kind: Option<RopeScalingType>, factor: Option<f32>) -> Arc<Model
     let (m, t) = tiny_parts();
     let mut model = build(m, t).unwrap();
     model
-        .set_rope_request(RopeRequest { kind, factor })
+        .set_rope_request(RopeRequest {
+            kind,
+            factor,
+            attn_temperature: None,
+        })
         .unwrap();
     Arc::new(model)
 }
@@ -485,7 +489,13 @@ fn rope_scaling_policy_logits_and_fingerprints() {
         (None, Some(f32::NAN)),
         (Some(RopeScalingType::None), Some(2.0)),
     ] {
-        assert!(m.set_rope_request(RopeRequest { kind, factor }).is_err());
+        assert!(m
+            .set_rope_request(RopeRequest {
+                kind,
+                factor,
+                attn_temperature: None,
+            })
+            .is_err());
     }
 }
 
