@@ -7,10 +7,15 @@ mod common;
 use common::*;
 use serde_json::{json, Map, Value};
 
+/// Two required keys: the grammar writes them in schema order with `json.dumps`
+/// spacing (the canonical form), so only a client that reorders them makes the
+/// canonical re-render differ from what was sampled.
 fn tools() -> Value {
     json!([{ "type": "function", "function": {
         "name": "get_weather", "description": "Get the current weather for a city",
-        "parameters": { "type": "object", "properties": { "city": { "type": "string" } }, "required": ["city"] },
+        "parameters": { "type": "object", "properties": {
+            "city": { "type": "string" }, "unit": { "type": "string", "enum": ["c", "f"] } },
+            "required": ["city", "unit"] },
     }}])
 }
 
