@@ -364,10 +364,11 @@ fn rope_scaling_keys_are_read_from_the_file() {
         m.hparams.rope_scaling,
         RopeScaling::new(RopeScalingType::Yarn, 4.0, 64).unwrap()
     );
-    // Without a request, sessions of any size run the file's scaling.
+    // Without a request, sessions of any size run the file's scaling, with
+    // YaRN's attention temperature (the model was made for it).
     assert_eq!(
         m.rope_scaling_for(16).unwrap(),
-        m.hparams.rope_scaling,
+        m.hparams.rope_scaling.with_attn_temperature(true),
         "the file's scaling applies within the trained context too"
     );
     let m = with_keys(vec![("llama.rope.scale_linear", Value::F32(2.0))]).unwrap();
