@@ -133,9 +133,19 @@ fn chat_completions_stream_and_reuse() {
     assert_eq!(v["choices"][0]["finish_reason"], "length");
 
     // Stop sequences end the text before the stop string.
-    let v = post(srv.port, "/v1/completions", &json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stop": "."})).json();
-    assert_eq!(v["choices"][0]["text"], " Paris");
-    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let v2 = post(srv.port, "/v1/completions", &json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stop": "."})).json();
+    assert_eq!(v2["choices"][0]["text"], " Paris");
+    // Response ids are random, not a counter: `cmpl-` and 32 hex digits.
+    let (a, b) = (v["id"].as_str().unwrap(), v2["id"].as_str().unwrap());
+    for id in [a, b] {
+        let hex = id.strip_prefix("cmpl-").unwrap_or_default();
+        assert!(
+            hex.len() == 32 && hex.chars().all(|c| c.is_ascii_hexdigit()),
+            "{id}"
+        );
+    }
+    assert_ne!(a, b);
+    assert_eq!(v2["choices"][0]["finish_reason"], "stop");
 
     let models = request(srv.port, "GET", "/v1/models", b"", &[]).json();
     assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1");

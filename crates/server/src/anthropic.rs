@@ -436,7 +436,8 @@ fn stop_reason(f: FinishReason) -> &'static str {
     }
 }
 
-/// Anthropic ids read `msg_…`; the runner names responses `PREFIX-N`.
+/// Anthropic ids read `msg_…`; the runner names responses `PREFIX-` and 32
+/// random hex digits.
 fn message_id(g: &Gen) -> String {
     g.id.replacen('-', "_", 1)
 }

@@ -4,7 +4,6 @@
 //! the event channel, which the worker notices at its next token.
 
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -78,7 +77,6 @@ pub(crate) struct AppState {
     pub tool_memory: Arc<ToolMemory>,
     trace: Option<Arc<Trace>>,
     normalizer: Normalizer,
-    next_id: AtomicU64,
 }
 
 /// Builds the router over a running worker of `model`; `tool_memory` is shared
@@ -117,7 +115,6 @@ pub fn router(
         tool_memory,
         trace,
         normalizer,
-        next_id: AtomicU64::new(1),
     });
     Ok(Router::new()
         .route("/v1/chat/completions", post(chat_completions))
@@ -472,11 +469,9 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
     }
     let shaper = Shaper::new(r.think, r.parser, r.forced.as_deref(), d.call_id_prefix());
     let (tx, mut rx) = mpsc::channel(256);
-    let id = format!(
-        "{}-{}",
-        d.id_prefix(),
-        st.next_id.fetch_add(1, Ordering::Relaxed)
-    );
+    // Random, not a per-process counter: ids do not reveal how many requests
+    // the server has served, nor repeat after a restart.
+    let id = crate::tooling::new_call_id(&format!("{}-", d.id_prefix()));
     let gate = match r.grammar {
         None => None,
         Some(plan) => {

@@ -391,7 +391,7 @@ fn short_float(x: f32) -> Value {
         .map_or(Value::Null, |f| json!(f))
 }
 
-/// `resp_N` and `msg_N` from the runner's `resp-N`.
+/// `resp_X` and `msg_X` from the runner's `resp-X` (X: 32 random hex digits).
 fn ids(g: &Gen) -> (String, String) {
     let n = g.id.rsplit('-').next().unwrap_or(&g.id);
     (format!("resp_{n}"), format!("msg_{n}"))

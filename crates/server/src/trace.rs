@@ -17,13 +17,18 @@ pub struct Trace {
 
 impl Trace {
     /// Creates (truncates) `path`, mode 0600 on Unix: it holds prompts verbatim.
+    /// An existing file gets that mode too (the open's mode applies only to a
+    /// file it creates), set on the open descriptor before anything is written.
     pub fn create(path: &Path, redact: bool) -> std::io::Result<Trace> {
         let mut opts = std::fs::OpenOptions::new();
         opts.write(true).create(true).truncate(true);
         #[cfg(unix)]
         std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+        let file = opts.open(path)?;
+        #[cfg(unix)]
+        file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
         Ok(Trace {
-            out: Mutex::new(BufWriter::new(opts.open(path)?)),
+            out: Mutex::new(BufWriter::new(file)),
             redact,
         })
     }
@@ -77,6 +82,15 @@ mod tests {
             .collect();
         assert_eq!(lines.len(), 2);
         assert!(!text.contains("secret"));
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            // An existing world-readable file is tightened, not kept as it was.
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+            drop(Trace::create(&p, true).unwrap());
+            let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600);
+        }
         assert_eq!(lines[0]["p"]["prompt_bytes"], 13);
         assert_eq!(lines[0]["p"]["prompt_sha1"].as_str().unwrap().len(), 40);
         assert!(lines[1]["ts"].as_f64().unwrap() > 1e9);
