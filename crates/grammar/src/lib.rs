@@ -62,12 +62,15 @@ pub struct Vocab {
 /// How strongly a token's first byte closes what is open, for winding down
 /// (0: not at all). A quote first: inside a string only it ends the string
 /// (`}` and `]` there are text); then the ends of objects and arrays; then the
-/// newline before a call's closing tag.
+/// newline before a call's closing tag; last a comma, which ends a number or a
+/// value when the object still owes a required key (without it a number could
+/// run on digit by digit to the limit).
 fn closer_rank(word: &[u8]) -> u8 {
     match word.first() {
         Some(b'"') => 1,
         Some(b'}' | b']') => 2,
         Some(b'\n') => 3,
+        Some(b',') => 4,
         _ => 0,
     }
 }
@@ -174,7 +177,7 @@ impl Constraint {
     /// `wind_down` (the token budget is nearly spent, or the output loops): the
     /// end of turn alone when the grammar may end here; else only the allowed
     /// tokens of the best closing rank (a quote, then `}` / `]`, then a
-    /// newline; see [`closer_rank`]), so open strings, arrays and objects close
+    /// newline, then a comma; see [`closer_rank`]), so open strings, arrays and objects close
     /// as soon as the grammar lets them and the output still parses. Where none
     /// can come next (a required key, a number's first digit) the plain mask
     /// stands.

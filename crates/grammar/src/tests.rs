@@ -83,6 +83,22 @@ fn winding_down_closes_what_is_open() {
     for id in left {
         assert_eq!(tok.token_piece(id, false).first(), Some(&b'"'), "{id}");
     }
+    // A number in an object that still owes a required key ends at a comma
+    // (with the servers' fixed spacing: no whitespace to wander into).
+    let mut owed = v
+        .constraint(r#"start: %json {"type":"object","properties":{"n":{"type":"integer"},"b":{"type":"boolean"}},"required":["n","b"],"additionalProperties":false,"x-guidance":{"whitespace_flexible":false,"item_separator":", ","key_separator":": "}}"#)
+        .unwrap();
+    owed.commit(&tok.encode(r#"{"n": 30"#, false, false))
+        .unwrap();
+    let mut logits = vec![0.0; tok.n_vocab()];
+    owed.mask(&mut logits, true).unwrap();
+    let left: Vec<u32> = (0..logits.len() as u32)
+        .filter(|&i| logits[i as usize].is_finite())
+        .collect();
+    assert!(!left.is_empty());
+    for id in left {
+        assert_eq!(tok.token_piece(id, false).first(), Some(&b','), "{id}");
+    }
     // Where the grammar may end, winding down ends it.
     let mut more = v.constraint(r#"start: "a" ("\nb")*"#).unwrap();
     more.commit(&tok.encode("a", false, false)).unwrap();

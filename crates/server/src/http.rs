@@ -70,9 +70,8 @@ pub(crate) struct AppState {
     /// The served model, for tokenizing on the HTTP side (token counts).
     pub model: Arc<Model>,
     pub template: Option<Box<dyn Template>>,
-    /// The vocabulary for constrained decoding (`None` when the model has no
-    /// usable end-of-turn token).
-    pub grammar: Option<ds4_grammar::Vocab>,
+    /// The vocabulary for constrained decoding, or why there is none.
+    pub grammar: Result<ds4_grammar::Vocab, String>,
     pub metrics: Arc<Metrics>,
     pub tool_memory: Arc<ToolMemory>,
     trace: Option<Arc<Trace>>,
@@ -100,7 +99,10 @@ pub fn router(
         .as_ref()
         .and_then(|t| model.tokenizer.token_id(t.end_of_turn()))
         .or(model.tokenizer.eos());
-    let grammar = end_of_turn.and_then(|id| ds4_grammar::Vocab::new(Arc::clone(&model), id).ok());
+    let grammar = match end_of_turn {
+        Some(id) => ds4_grammar::Vocab::new(Arc::clone(&model), id).map_err(|e| e.to_string()),
+        None => Err("the model has no end-of-turn token".to_string()),
+    };
     let normalizer = match &cfg.normalize {
         Some(extra) => Normalizer::new(extra)?,
         None => Normalizer::off(),
@@ -334,11 +336,7 @@ pub(crate) fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'stati
                 think: ThinkMode::None,
                 replay: ReplayStats::default(),
                 breakpoints: vec![],
-                grammar: p
-                    .agent
-                    .json_schema
-                    .as_ref()
-                    .map(|s| GrammarPlan::Json(json_grammar(s))),
+                grammar: json_plan(&p.agent),
             })
         }
         (Input::Messages(m), Some(t)) => (m, t),
@@ -390,16 +388,14 @@ pub(crate) fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'stati
     if let Some(f) = &forced {
         prompt.push_str(f);
     }
+    // A forced call first, then structured output, then a call the model may open.
     let call_grammar = syntax.call_grammar(tools, &p.agent.tool_choice, !p.agent.single_call);
-    let grammar = match (&forced, call_grammar, syntax.call_trigger()) {
-        (Some(_), Some(g), _) => Some(GrammarPlan::ForcedCall(g)),
-        _ if p.agent.json_schema.is_some() => p
-            .agent
-            .json_schema
-            .as_ref()
-            .map(|s| GrammarPlan::Json(json_grammar(s))),
-        (None, Some(grammar), Some(trigger)) => Some(GrammarPlan::Call { trigger, grammar }),
-        _ => None,
+    let grammar = match (forced.is_some(), call_grammar, syntax.call_trigger()) {
+        (true, Some(g), _) => Some(GrammarPlan::ForcedCall(g)),
+        (false, Some(grammar), Some(trigger)) if p.agent.json_schema.is_none() => {
+            Some(GrammarPlan::Call { trigger, grammar })
+        }
+        _ => json_plan(&p.agent),
     };
     Ok(Rendered {
         prompt,
@@ -412,9 +408,13 @@ pub(crate) fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'stati
     })
 }
 
-/// The grammar of structured output: one JSON value valid against `schema`.
-fn json_grammar(schema: &Value) -> String {
-    format!("start: {}", ds4_chat::tools::json_rule(schema))
+/// Structured output's plan: one JSON value valid against the request's schema.
+fn json_plan(agent: &crate::dialect::AgentOptions) -> Option<GrammarPlan> {
+    let schema = agent.json_schema.as_ref()?;
+    Some(GrammarPlan::Json(format!(
+        "start: {}",
+        ds4_chat::tools::json_rule(schema)
+    )))
 }
 
 /// Compiles a request's grammar plan. A tool-call grammar that does not compile
@@ -422,13 +422,16 @@ fn json_grammar(schema: &Value) -> String {
 /// before, with a trace note; a structured-output schema that does not compile
 /// is the client's to fix (400).
 fn compile(st: &AppState, id: &str, plan: GrammarPlan) -> Result<Option<Gate>, String> {
-    let Some(vocab) = &st.grammar else {
-        return match plan {
-            GrammarPlan::Json(_) => Err(
-                "structured output is not available for this model (no end-of-turn token)".into(),
-            ),
-            _ => Ok(None),
-        };
+    let vocab = match &st.grammar {
+        Ok(v) => v,
+        Err(why) => {
+            return match plan {
+                GrammarPlan::Json(_) => Err(format!(
+                    "structured output is not available for this model: {why}"
+                )),
+                _ => Ok(None),
+            }
+        }
     };
     let (text, trigger) = match &plan {
         GrammarPlan::ForcedCall(g) | GrammarPlan::Json(g) => (g, None),
@@ -471,7 +474,7 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
     let (tx, mut rx) = mpsc::channel(256);
     // Random, not a per-process counter: ids do not reveal how many requests
     // the server has served, nor repeat after a restart.
-    let id = crate::tooling::new_call_id(&format!("{}-", d.id_prefix()));
+    let id = crate::tooling::random_id(&format!("{}-", d.id_prefix()));
     let gate = match r.grammar {
         None => None,
         Some(plan) => {

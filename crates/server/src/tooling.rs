@@ -121,8 +121,9 @@ pub fn namespaces(tools: Option<&Value>) -> HashMap<String, String> {
     out
 }
 
-/// A fresh call id: `prefix` + 32 hex digits from the OS random source.
-pub fn new_call_id(prefix: &str) -> String {
+/// A fresh unguessable id (tool calls, responses): `prefix` + 32 hex digits from
+/// the OS random source.
+pub fn random_id(prefix: &str) -> String {
     let mut bytes = [0u8; 16];
     if getrandom::fill(&mut bytes).is_err() {
         // No OS randomness: fall back to the clock and a counter (still unique).
@@ -399,8 +400,8 @@ mod tests {
 
     #[test]
     fn call_ids_are_random_hex() {
-        let a = new_call_id("call_");
-        let b = new_call_id("call_");
+        let a = random_id("call_");
+        let b = random_id("call_");
         assert_ne!(a, b);
         assert_eq!(a.len(), 5 + 32);
         assert!(a[5..].bytes().all(|c| c.is_ascii_hexdigit()));

@@ -7,7 +7,7 @@ use ds4_chat::think::{ThinkEvent, ThinkSplitter};
 use ds4_chat::tools::{ParsedTurn, ToolEvent, ToolParser};
 use ds4_chat::ThinkMode;
 
-use crate::tooling::new_call_id;
+use crate::tooling::random_id;
 
 /// A tool call as the client sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -128,7 +128,7 @@ impl Shaper {
                 ToolEvent::Text(_) => {}
                 ToolEvent::Call(c) => {
                     let call = CallOut {
-                        id: new_call_id(self.id_prefix),
+                        id: random_id(self.id_prefix),
                         name: c.name,
                         arguments: c.arguments,
                     };
@@ -180,7 +180,7 @@ impl Shaper {
                 id: self
                     .calls
                     .get(i)
-                    .map_or_else(|| new_call_id(self.id_prefix), |s| s.id.clone()),
+                    .map_or_else(|| random_id(self.id_prefix), |s| s.id.clone()),
                 name: c.name,
                 arguments: c.arguments,
             })
