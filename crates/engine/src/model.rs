@@ -10,7 +10,7 @@ use ds4_kernels::matmul::WeightMatrix;
 use ds4_kernels::WeightFormat;
 
 use crate::error::{EngineError, Result};
-use crate::models::llama::LlamaWeights;
+use crate::models::{self, Family};
 use crate::rope::{RopeRequest, RopeScaling, RopeScalingType};
 use crate::tokenizer::Tokenizer;
 
@@ -44,11 +44,10 @@ impl HParams {
         self.n_head_kv * self.head_dim
     }
 
-    fn from_gguf(g: &Gguf, n_vocab: usize) -> Result<Self> {
-        let arch = g.get_str("general.architecture")?.to_string();
-        if arch != "llama" {
-            return Err(EngineError::UnsupportedArchitecture(arch));
-        }
+    /// The hyper-parameters every family reads (`{arch}.*` keys); a family
+    /// checks its own extra ones when it binds.
+    fn from_gguf(g: &Gguf, arch: &str, n_vocab: usize) -> Result<Self> {
+        let arch = arch.to_string();
         let int = |name: &str| -> Result<usize> {
             let key = format!("{arch}.{name}");
             let v = g.get_u64(&key)?;
@@ -341,7 +340,8 @@ pub struct Model {
     pub hparams: HParams,
     pub tokenizer: Tokenizer,
     pub fingerprint: Fingerprint,
-    pub(crate) weights: LlamaWeights,
+    /// The family's bound weights and forward pass.
+    pub(crate) family: Box<dyn Family>,
     /// The operator's RoPE scaling request, which every session resolves for its
     /// context ([`RopeRequest::resolve`]).
     rope_request: RopeRequest,
@@ -355,10 +355,14 @@ impl Model {
         Self::from_gguf(Gguf::open(path)?)
     }
 
+    /// Dispatches on `general.architecture` to the family registry; an
+    /// architecture no family runs fails here, listing the ones that do.
     pub fn from_gguf(gguf: Gguf) -> Result<Self> {
+        let arch = gguf.get_str("general.architecture")?;
+        let entry = models::entry_for(arch)?;
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
         let n_vocab = tokenizer.n_vocab();
-        let hparams = HParams::from_gguf(&gguf, n_vocab)?;
+        let hparams = HParams::from_gguf(&gguf, entry.arch, n_vocab)?;
         if let Some(v) = gguf.get(&format!("{}.vocab_size", hparams.arch)) {
             if v.as_u64() != Some(n_vocab as u64) {
                 return Err(bad(
@@ -367,14 +371,14 @@ impl Model {
                 ));
             }
         }
-        let (weights, f2) = LlamaWeights::bind(&gguf, &hparams)?;
+        let (family, f2) = (entry.bind)(&gguf, &hparams)?;
         let fingerprint = Fingerprint::of(&gguf, &hparams.arch);
         Ok(Model {
             gguf,
             hparams,
             tokenizer,
             fingerprint,
-            weights,
+            family,
             rope_request: RopeRequest::default(),
             f2,
         })
@@ -396,6 +400,11 @@ impl Model {
     /// context is refused ([`RopeRequest::resolve_checked`]).
     pub fn rope_scaling_for(&self, n_ctx: usize) -> Result<RopeScaling> {
         self.rope_request.resolve_checked(&self.hparams, n_ctx)
+    }
+
+    /// The family's name (`llama`, `gemma3`).
+    pub fn family_name(&self) -> &'static str {
+        self.family.entry().name
     }
 
     pub fn gguf(&self) -> &Gguf {

@@ -8,6 +8,9 @@ use std::path::PathBuf;
 /// File name of the default model (SmolLM2-135M-Instruct, Q4_1).
 pub const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
+/// File name of the second family's model (Gemma 3 270M base, Q4_K_M).
+pub const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
+
 /// `$DS4_HOME/models/<file>`, panicking with the command that fetches it when absent.
 pub fn model_path(file: &str) -> PathBuf {
     let home = std::env::var_os("DS4_HOME")

@@ -11,16 +11,22 @@
 
 use ds4_gguf::Gguf;
 use ds4_kernels::act16::F2Matrix;
-use ds4_kernels::attn::AsF32Rows;
 use ds4_kernels::pool::ThreadPool;
 
+use super::transformer::{self, attend_layer, embed, output_head, Rows};
+use super::{Family, FamilyEntry, Scratch, SeqStep};
 use crate::error::Result;
 use crate::model::{Binder, HParams, Model, TensorRef};
-use crate::ops::{
-    add_rows, attention, project, rms_norm, rms_norm_rows, swiglu, Activations, Precision, Rope,
-};
-use crate::payload;
+use crate::ops::{add_rows, project, rms_norm_rows, swiglu, Precision, Rope};
 use crate::session::KvType;
+use crate::state::{KvLayerSpec, KvState, SeqState};
+
+pub(crate) const ENTRY: FamilyEntry = FamilyEntry {
+    name: "llama",
+    arch: "llama",
+    payload_id: 1,
+    bind: LlamaWeights::bind,
+};
 
 pub(crate) struct LayerWeights {
     attn_norm: Vec<f32>,
@@ -43,7 +49,7 @@ pub(crate) struct LlamaWeights {
 
 impl LlamaWeights {
     /// The weights and the fast path's packed copies their `TensorRef`s index.
-    pub fn bind(g: &Gguf, hp: &HParams) -> Result<(Self, Vec<F2Matrix>)> {
+    fn bind(g: &Gguf, hp: &HParams) -> Result<(Box<dyn Family>, Vec<F2Matrix>)> {
         let mut b = Binder::new(g);
         let (n_embd, n_q, n_kv) = (hp.n_embd, hp.n_embd_q(), hp.n_embd_kv());
         let tok_embd = b.matrix("token_embd.weight", n_embd, hp.n_vocab)?;
@@ -69,211 +75,78 @@ impl LlamaWeights {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let f2 = b.finish("llama")?;
+        let f2 = b.finish(ENTRY.name)?;
         let weights = LlamaWeights {
             tok_embd,
             output_norm,
             output,
             layers,
         };
-        Ok((weights, f2))
+        Ok((Box::new(weights), f2))
     }
 }
 
-/// K and V rows of one element type.
-pub(crate) struct KvRows<T> {
-    pub k: Vec<T>,
-    pub v: Vec<T>,
-}
+impl Family for LlamaWeights {
+    fn entry(&self) -> &'static FamilyEntry {
+        &ENTRY
+    }
 
-/// The K/V cache in its element type.
-pub(crate) enum KvCache {
-    F32(KvRows<f32>),
-    /// f16 bits.
-    F16(KvRows<u16>),
-}
-
-/// Per-layer K and V rows: `[n_layer][n_head_kv][n_ctx][head_dim]`, so one head's
-/// history is contiguous for attention; f32, or f16 (rounded when stored).
-pub(crate) struct LlamaState {
-    pub n_ctx: usize,
-    pub kv: KvCache,
-}
-
-impl LlamaState {
-    pub fn new(hp: &HParams, n_ctx: usize, kv_type: KvType) -> Self {
-        let n = hp.n_layer * hp.n_embd_kv() * n_ctx;
-        let kv = match kv_type {
-            KvType::F32 => KvCache::F32(KvRows {
-                k: vec![0.0; n],
-                v: vec![0.0; n],
-            }),
-            KvType::F16 => KvCache::F16(KvRows {
-                k: vec![0; n],
-                v: vec![0; n],
-            }),
+    /// Dense K/V on every layer.
+    fn new_state(
+        &self,
+        hp: &HParams,
+        n_ctx: usize,
+        max_step: usize,
+        kv_type: KvType,
+    ) -> Box<dyn SeqState> {
+        let spec = KvLayerSpec {
+            n_head_kv: hp.n_head_kv,
+            head_dim: hp.head_dim,
+            window: None,
         };
-        LlamaState { n_ctx, kv }
+        Box::new(KvState::new(
+            &vec![spec; hp.n_layer],
+            n_ctx,
+            max_step,
+            kv_type,
+        ))
     }
 
-    pub fn kv_type(&self) -> KvType {
-        match self.kv {
-            KvCache::F32(_) => KvType::F32,
-            KvCache::F16(_) => KvType::F16,
-        }
+    fn new_scratch(&self, hp: &HParams, max_rows: usize) -> Scratch {
+        Scratch::new(max_rows, Rows::new(hp, max_rows, 1))
     }
 
-    fn layer_stride(&self, hp: &HParams) -> usize {
-        hp.n_embd_kv() * self.n_ctx
-    }
-
-    /// For every (layer, K then V, kv head) in payload order: whether it is V, and
-    /// the range of its first `n_tokens` rows.
-    fn rows(
+    fn forward(
         &self,
-        hp: &HParams,
-        n_tokens: usize,
-    ) -> impl Iterator<Item = (bool, std::ops::Range<usize>)> {
-        let (head_stride, len, heads) = (
-            self.n_ctx * hp.head_dim,
-            n_tokens * hp.head_dim,
-            hp.n_head_kv,
-        );
-        (0..hp.n_layer).flat_map(move |il| {
-            [false, true].into_iter().flat_map(move |is_v| {
-                (0..heads).map(move |h| {
-                    let start = (il * heads + h) * head_stride;
-                    (is_v, start..start + len)
-                })
-            })
-        })
-    }
-
-    /// Writes the K/V rows of positions `0..n_tokens` in logical order.
-    pub fn write_rows(
-        &self,
-        hp: &HParams,
-        n_tokens: usize,
-        w: &mut impl std::io::Write,
-    ) -> Result<()> {
-        for (is_v, r) in self.rows(hp, n_tokens) {
-            match &self.kv {
-                KvCache::F32(c) => payload::write_pod(w, if is_v { &c.v[r] } else { &c.k[r] })?,
-                KvCache::F16(c) => payload::write_pod(w, if is_v { &c.v[r] } else { &c.k[r] })?,
-            }
-        }
-        Ok(())
-    }
-
-    /// Reads what [`write_rows`](Self::write_rows) wrote.
-    pub fn read_rows(
-        &mut self,
-        hp: &HParams,
-        n_tokens: usize,
-        r: &mut impl std::io::Read,
-    ) -> Result<()> {
-        let rows: Vec<_> = self.rows(hp, n_tokens).collect();
-        for (is_v, range) in rows {
-            match &mut self.kv {
-                KvCache::F32(c) => {
-                    let cache = if is_v { &mut c.v } else { &mut c.k };
-                    payload::read_pod(r, &mut cache[range], "K/V rows")?;
-                }
-                KvCache::F16(c) => {
-                    let cache = if is_v { &mut c.v } else { &mut c.k };
-                    payload::read_pod(r, &mut cache[range], "K/V rows")?;
-                }
-            }
-        }
-        Ok(())
+        model: &Model,
+        pool: &ThreadPool,
+        precision: Precision,
+        scratch: &mut Scratch,
+        seqs: &mut [SeqStep<'_>],
+    ) {
+        forward(self, model, pool, precision, scratch.get::<Rows>(), seqs);
     }
 }
 
-/// Named intermediates of one forward chunk, sized for `max_batch` tokens.
-pub(crate) struct Scratch {
-    pub max_batch: usize,
-    x: Vec<f32>,
-    xn: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    att: Vec<f32>,
-    attn_out: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    ffn_out: Vec<f32>,
-    /// RoPE `(sin, cos)` per token and pair, computed once per forward.
-    rope: Vec<(f32, f32)>,
-    acts: Activations,
-}
-
-impl Scratch {
-    pub fn new(hp: &HParams, max_batch: usize) -> Self {
-        let b = max_batch;
-        Scratch {
-            max_batch,
-            x: vec![0.0; b * hp.n_embd],
-            xn: vec![0.0; b * hp.n_embd],
-            q: vec![0.0; b * hp.n_embd_q()],
-            k: vec![0.0; b * hp.n_embd_kv()],
-            v: vec![0.0; b * hp.n_embd_kv()],
-            att: vec![0.0; b * hp.n_embd_q()],
-            attn_out: vec![0.0; b * hp.n_embd],
-            gate: vec![0.0; b * hp.n_ff],
-            up: vec![0.0; b * hp.n_ff],
-            ffn_out: vec![0.0; b * hp.n_embd],
-            rope: vec![(0.0, 0.0); b * hp.n_rot / 2],
-            acts: Activations::new(b * hp.n_ff.max(hp.n_embd_q()).max(hp.n_embd)),
-        }
-    }
-}
-
-/// Where a forward pass writes next-token logits.
-pub(crate) enum LogitsOut<'a> {
-    /// The last token's (`n_vocab`).
-    Last(&'a mut [f32]),
-    /// Every token's, row after row (`tokens.len() * n_vocab`). Each row is
-    /// bitwise the row [`Last`](Self::Last) gives for that token.
-    All(&'a mut [f32]),
-}
-
-/// Runs `tokens` (at most `scratch.max_batch`, already validated against the
-/// vocabulary and context) at positions `pos0..` with the session's RoPE tables,
-/// appending their K/V to `state` and writing next-token logits to `logits`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn forward(
+/// Runs every sequence's tokens after its state (see [`Family::forward`]).
+fn forward(
+    w: &LlamaWeights,
     model: &Model,
-    rope: &Rope,
-    state: &mut LlamaState,
-    s: &mut Scratch,
     pool: &ThreadPool,
     precision: Precision,
-    tokens: &[u32],
-    pos0: usize,
-    logits: LogitsOut<'_>,
+    s: &mut Rows,
+    seqs: &mut [SeqStep<'_>],
 ) {
     let hp = &model.hparams;
-    let w = &model.weights;
-    let nt = tokens.len();
+    let (_, nt) = transformer::offsets(seqs);
     let (n_embd, n_q, n_kv, hd) = (hp.n_embd, hp.n_embd_q(), hp.n_embd_kv(), hp.head_dim);
     let x = &mut s.x[..nt * n_embd];
-    let embd = model.matrix(&w.tok_embd);
-    for (t, &id) in tokens.iter().enumerate() {
-        let row = embd.row(id as usize);
-        if let Err(e) =
-            ds4_kernels::dequantize_row(embd.fmt, row, &mut x[t * n_embd..(t + 1) * n_embd])
-        {
-            panic!("embedding rows are validated at load: {e}");
-        }
-    }
-
-    let n_pairs = rope.n_pairs();
-    let angles = &mut s.rope[..nt * n_pairs];
-    for (t, a) in angles.chunks_exact_mut(n_pairs.max(1)).enumerate() {
-        rope.angles(pos0 + t, a);
-    }
-    let stride = state.layer_stride(hp);
+    embed(&model.matrix(&w.tok_embd), seqs, n_embd, x);
+    s.fill_angles(0, seqs, hp.rope_base, hp.n_rot, |s| s.scaling);
+    let n_pairs = hp.n_rot / 2;
+    let scale = 1.0 / (hd as f32).sqrt();
     for (il, lw) in w.layers.iter().enumerate() {
+        let x = &mut s.x[..nt * n_embd];
         let xn = &mut s.xn[..nt * n_embd];
         rms_norm_rows(pool, x, &lw.attn_norm, hp.rms_eps, xn);
         let (q, k, v) = (
@@ -293,7 +166,7 @@ pub(crate) fn forward(
             ],
             &mut [&mut *q, &mut *k, &mut *v],
         );
-        let angles = &s.rope[..nt * n_pairs];
+        let angles = &s.angles[0][..nt * n_pairs];
         for (rows, n) in [(&mut *q, n_q), (&mut *k, n_kv)] {
             pool.for_each_row_block_mut(rows, n, &|first, rows| {
                 for (t, row) in (first..).zip(rows.chunks_exact_mut(n)) {
@@ -302,12 +175,16 @@ pub(crate) fn forward(
             });
         }
         let att = &mut s.att[..nt * n_q];
-        let layer = il * stride..(il + 1) * stride;
-        let (n_ctx, at) = (state.n_ctx, (pos0, hp.n_head, hp.n_head_kv, hd));
-        match &mut state.kv {
-            KvCache::F32(c) => store_and_attend(pool, c, layer, n_ctx, at, q, k, v, att),
-            KvCache::F16(c) => store_and_attend(pool, c, layer, n_ctx, at, q, k, v, att),
-        }
+        attend_layer(
+            pool,
+            seqs,
+            il,
+            (hp.n_head, hp.n_head_kv, hd),
+            scale,
+            q,
+            (k, v),
+            att,
+        );
         let attn_out = &mut s.attn_out[..nt * n_embd];
         project(
             pool,
@@ -344,56 +221,13 @@ pub(crate) fn forward(
         );
         add_rows(pool, x, ffn_out, n_embd);
     }
-
-    let (rows, out) = match logits {
-        LogitsOut::Last(out) => (&x[(nt - 1) * n_embd..nt * n_embd], out),
-        LogitsOut::All(out) => (&x[..], out),
-    };
-    let xn = &mut s.xn[..rows.len()];
-    if rows.len() == n_embd {
-        rms_norm(rows, &w.output_norm, hp.rms_eps, xn);
-    } else {
-        rms_norm_rows(pool, rows, &w.output_norm, hp.rms_eps, xn);
-    }
-    project(
+    transformer::advance(seqs);
+    output_head(
         pool,
         precision,
-        &mut s.acts,
-        xn,
-        &[&model.matrix(&w.output)],
-        &mut [out],
-    );
-}
-
-/// Stores the new K/V rows of positions `pos0..` into one layer's cache (rounded to
-/// the element type), then runs attention over it.
-#[allow(clippy::too_many_arguments)]
-fn store_and_attend<T: AsF32Rows>(
-    pool: &ThreadPool,
-    c: &mut KvRows<T>,
-    layer: std::ops::Range<usize>,
-    n_ctx: usize,
-    (pos0, n_head, n_head_kv, hd): (usize, usize, usize, usize),
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    att: &mut [f32],
-) {
-    let n_kv = n_head_kv * hd;
-    let (k_layer, v_layer) = (&mut c.k[layer.clone()], &mut c.v[layer]);
-    for t in 0..k.len() / n_kv {
-        for h in 0..n_head_kv {
-            let dst = (h * n_ctx + pos0 + t) * hd;
-            let src = t * n_kv + h * hd;
-            for (d, &x) in k_layer[dst..dst + hd].iter_mut().zip(&k[src..src + hd]) {
-                *d = T::narrow(x);
-            }
-            for (d, &x) in v_layer[dst..dst + hd].iter_mut().zip(&v[src..src + hd]) {
-                *d = T::narrow(x);
-            }
-        }
-    }
-    attention(
-        pool, q, k_layer, v_layer, n_ctx, n_head, n_head_kv, hd, pos0, att,
+        s,
+        seqs,
+        (&w.output_norm, hp.rms_eps),
+        &model.matrix(&w.output),
     );
 }
