@@ -9,14 +9,16 @@
 //! | `tokenizer.ggml.model` | `tokenizer.ggml.pre` | model |
 //! |---|---|---|
 //! | `gpt2` | `smollm` | byte-level BPE (`bpe`, pre-tokenizer in `pretokenize`) |
+//! | `llama` | not read (llama.cpp ignores it too) | SentencePiece-style merges by score with byte fallback (`spm`), e.g. Gemma 3 |
 //!
-//! SentencePiece-style vocabularies (`llama`, e.g. Gemma) are another `Model`
-//! variant, to come. Decoding concatenates per-token pieces; it does not strip a
-//! leading BOS or clean up spaces the way `llama_detokenize` can be asked to.
+//! Decoding concatenates per-token pieces; it does not strip a leading BOS, nor the
+//! space an SPM `add_space_prefix` puts in front, nor clean up spaces the way
+//! `llama_detokenize` can be asked to.
 
 mod bpe;
 mod pretokenize;
 mod special;
+mod spm;
 mod stream;
 mod vocab;
 
@@ -29,7 +31,8 @@ pub use stream::StreamDecoder;
 
 use bpe::Bpe;
 use special::Fragment;
-use vocab::{Defaults, Vocab};
+use spm::Spm;
+use vocab::Vocab;
 
 const KEY_MODEL: &str = "tokenizer.ggml.model";
 
@@ -81,12 +84,18 @@ pub enum TokenizerError {
     },
     #[error("token {id} {text:?} has type byte but is not of the form <0xXX>")]
     BadByteToken { id: u32, text: String },
+    #[error("tokenizer.ggml.tokens has no byte token {text:?} (SPM byte fallback needs all 256)")]
+    MissingByteToken { text: String },
+    #[error("tokenizer.ggml.scores[{id}] is NaN")]
+    NanScore { id: u32 },
 }
 
 /// The vocabulary model that turns raw text into tokens.
 enum Model {
     /// Byte-level BPE (`gpt2`).
     Bpe(Bpe),
+    /// SentencePiece-style merges by score, with byte fallback (`llama`).
+    Spm(Spm),
 }
 
 /// A tokenizer loaded from GGUF metadata. Immutable; share it freely.
@@ -99,27 +108,26 @@ impl Tokenizer {
     /// Reads and validates the `tokenizer.ggml.*` metadata of `g`.
     pub fn from_gguf(g: &Gguf) -> Result<Self, TokenizerError> {
         let name = g.get_str(KEY_MODEL)?;
-        match name {
+        let (vocab, model) = match name {
             "gpt2" => {
-                // llama.cpp's defaults for BPE vocabularies: BOS = EOS = 11 (in range).
-                let defaults = Defaults {
-                    bos: Some(11),
-                    eos: Some(11),
-                    unk: None,
-                };
-                let vocab = Vocab::from_gguf(g, &defaults, Bpe::normal_piece)?;
+                let vocab = Vocab::from_gguf(g, &Bpe::DEFAULTS, Bpe::normal_piece)?;
                 let bpe = Bpe::from_gguf(g, &vocab)?;
-                Ok(Tokenizer {
-                    vocab,
-                    model: Model::Bpe(bpe),
+                (vocab, Model::Bpe(bpe))
+            }
+            "llama" => {
+                let vocab = Vocab::from_gguf(g, &Spm::DEFAULTS, Spm::normal_piece)?;
+                let spm = Spm::from_gguf(g, &vocab)?;
+                (vocab, Model::Spm(spm))
+            }
+            _ => {
+                return Err(TokenizerError::Unsupported {
+                    key: KEY_MODEL,
+                    value: name.to_owned(),
+                    supported: "gpt2, llama",
                 })
             }
-            _ => Err(TokenizerError::Unsupported {
-                key: KEY_MODEL,
-                value: name.to_owned(),
-                supported: "gpt2",
-            }),
-        }
+        };
+        Ok(Tokenizer { vocab, model })
     }
 
     /// Tokenizes `text`. `add_special` adds BOS/EOS where the GGUF asks for them
@@ -132,12 +140,21 @@ impl Tokenizer {
         if add_special && v.add_bos {
             out.extend(v.bos());
         }
+        // SPM prefixes a space to a fragment at the start or after a special token.
+        let mut after_special = true;
         for frag in v.specials.partition(text, parse_special) {
             match frag {
-                Fragment::Token(id) => out.push(id),
-                Fragment::Text(range) => match &self.model {
-                    Model::Bpe(bpe) => bpe.encode(&text[range], &mut out),
-                },
+                Fragment::Token(id) => {
+                    out.push(id);
+                    after_special = true;
+                }
+                Fragment::Text(range) => {
+                    match &self.model {
+                        Model::Bpe(bpe) => bpe.encode(&text[range], &mut out),
+                        Model::Spm(spm) => spm.encode(v, &text[range], after_special, &mut out),
+                    }
+                    after_special = false;
+                }
             }
         }
         if add_special && v.add_eos {
