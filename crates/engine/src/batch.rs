@@ -69,7 +69,10 @@ impl Batch {
             rows += tokens.len();
         }
         if rows > self.max_rows() {
-            return fail(format!("{rows} tokens, this batch holds {}", self.max_rows()));
+            return fail(format!(
+                "{rows} tokens, this batch holds {}",
+                self.max_rows()
+            ));
         }
         let mut seqs: Vec<SeqStep<'_>> = steps
             .iter_mut()

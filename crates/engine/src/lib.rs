@@ -15,13 +15,13 @@ mod session;
 mod state;
 pub mod tokenizer;
 
+pub use batch::Batch;
 pub use ds4_kernels::pool::{default_threads, ThreadPool};
 pub use ds4_kernels::{available_kernel_tiers, kernel_tier, requested_kernel_tier};
-pub use batch::Batch;
 pub use error::{EngineError, Result};
 pub use model::{Fingerprint, HParams, Model};
-pub use ops::Precision;
 pub use models::supported_architectures;
+pub use ops::Precision;
 pub use payload::{PayloadHeader, PayloadV1Shape, PAYLOAD_MAGIC, PAYLOAD_VERSION};
 pub use rope::{RopeRequest, RopeScaling, RopeScalingType};
 pub use sampler::{Sampler, SamplerConfig};

@@ -173,13 +173,13 @@ pub(crate) struct TensorRef {
     pub n_out: usize,
     pub start: usize,
     pub len: usize,
-    /// Index of its F2 layout (Q4_1 and Q8_0) in the model's packed copies.
+    /// Index of its F2 layout (Q4_1, Q8_0, Q5_0) in the model's packed copies.
     pub f2: Option<usize>,
 }
 
 /// Checks a tensor's presence, shape and type while binding a family's layout, and
 /// remembers which tensors were bound so leftovers can be reported.
-/// Also packs every Q4_1 and Q8_0 matrix into the layout the fast path runs
+/// Also packs every Q4_1, Q8_0 and Q5_0 matrix into the layout the fast path runs
 /// ([`WeightMatrix::pack_f2`]): a copy the size of those tensors, so the fast
 /// path never reads the mapped blocks, whose pages are then dropped from the
 /// resident set (the other precisions and the embedding lookup fault back in
@@ -345,7 +345,7 @@ pub struct Model {
     /// The operator's RoPE scaling request, which every session resolves for its
     /// context ([`RopeRequest::resolve`]).
     rope_request: RopeRequest,
-    /// The fast path's copies of the Q4_1 and Q8_0 matrices ([`TensorRef::f2`]).
+    /// The fast path's copies of the Q4_1, Q8_0 and Q5_0 matrices ([`TensorRef::f2`]).
     f2: Vec<F2Matrix>,
 }
 

@@ -2,7 +2,7 @@
 //! attention over a per-head K/V cache, SwiGLU, and projection through a weight
 //! matrix in either precision.
 
-use ds4_kernels::attn::{attn_group, exp_ref, AsF32Rows, Running};
+use ds4_kernels::attn::{attn_group, exp_inplace, exp_ref, AsF32Rows, Running};
 use ds4_kernels::matmul::{matmul, matmul_f32, matmul_fast, F32Dot, WeightMatrix};
 use ds4_kernels::pool::ThreadPool;
 use ds4_kernels::{ActivationFormat, QuantizedActivations};
@@ -12,7 +12,7 @@ use crate::rope::RopeScaling;
 /// How matrix products treat activations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Precision {
-    /// Against Q4_1 and Q8_0 weights, activations rounded to 16-bit blocks and
+    /// Against Q4_1, Q8_0 and Q5_0 weights, activations rounded to 16-bit blocks and
     /// integer dot products (`ds4_kernels::act16`, order F2: an error of at most
     /// 1/65534 of each block's largest value); against other formats, f32
     /// activations and weights dotted with fused multiply-adds
@@ -160,15 +160,25 @@ impl Rope {
     }
 }
 
-/// `gelu(gate) * up` with GELU's tanh form (ggml's `gelu`, computed exactly in
-/// f32 rather than through ggml's f16 table), in place in `gate`.
+/// `gelu(gate) * up` with GELU's tanh form (ggml's `gelu`), in place in `gate`.
+/// `0.5·x·(1 + tanh(u))` with `u = sqrt(2/π)·(x + 0.044715·x³)` is computed as
+/// its equal `x / (1 + e^(-2u))`: one [`exp_inplace`] (the kernels' SIMD `exp`,
+/// within 2 ulp) per element instead of libm's `tanhf`, and no cancellation
+/// near `tanh = -1`. (llama.cpp reads GELU from an f16 table instead; the
+/// golden vectors' `f32_reference/` carry that as up to ~0.01 nat.)
 pub fn geglu(gate: &mut [f32], up: &[f32]) {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const TWO_SQRT_2_OVER_PI: f32 = 2.0 * 0.797_884_6;
     const GELU_COEF_A: f32 = 0.044_715;
-    for (g, &u) in gate.iter_mut().zip(up) {
-        let x = *g;
-        let t = (SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)).tanh();
-        *g = 0.5 * x * (1.0 + t) * u;
+    let mut e = [0.0f32; 64];
+    for (g, u) in gate.chunks_mut(64).zip(up.chunks(64)) {
+        let e = &mut e[..g.len()];
+        for (e, &x) in e.iter_mut().zip(g.iter()) {
+            *e = -TWO_SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x);
+        }
+        exp_inplace(e);
+        for ((g, &e), &u) in g.iter_mut().zip(e.iter()).zip(u) {
+            *g = *g / (1.0 + e) * u;
+        }
     }
 }
 
@@ -476,7 +486,16 @@ fn attend_block<T: AsF32Rows>(
                         scores,
                         false,
                     ),
-                    None => attn_group(qv, &ks[seen.clone()], &vs[seen], scale, run, acc, scores, true),
+                    None => attn_group(
+                        qv,
+                        &ks[seen.clone()],
+                        &vs[seen],
+                        scale,
+                        run,
+                        acc,
+                        scores,
+                        true,
+                    ),
                 }
             }
         }
@@ -523,6 +542,26 @@ mod tests {
         let r1 = (4.0 / 4.0f64 + 1e-6).sqrt();
         assert!((f64::from(out[7]) - 2.0 / r1).abs() < 1e-6);
         assert_eq!(out[4], 0.0);
+    }
+
+    #[test]
+    fn geglu_is_the_tanh_gelu_times_up() {
+        let xs: Vec<f32> = (-400..=400)
+            .map(|i| i as f32 * 0.05)
+            .chain([-90.0, 90.0])
+            .collect();
+        let mut g = xs.clone();
+        let up: Vec<f32> = xs.iter().map(|x| 1.0 + 0.25 * x.sin()).collect();
+        geglu(&mut g, &up);
+        for ((&x, &got), &u) in xs.iter().zip(&g).zip(&up) {
+            let xd = f64::from(x);
+            let t = ((2.0 / std::f64::consts::PI).sqrt() * (xd + 0.044715 * xd.powi(3))).tanh();
+            let want = 0.5 * xd * (1.0 + t) * f64::from(u);
+            assert!(
+                (f64::from(got) - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                "x {x}: {got} vs {want}"
+            );
+        }
     }
 
     #[test]
@@ -595,7 +634,18 @@ mod tests {
         let q = [1.0f32, 0.0, 0.0, 2.0, 1.0, 1.0, 0.0, 0.0];
         let mut out = vec![0f32; 8];
         let pool = ThreadPool::new(2);
-        attention(&pool, &q, &k, &v, AttnLayout::dense(n_ctx, hd), 2, 1, hd, 1, &mut out);
+        attention(
+            &pool,
+            &q,
+            &k,
+            &v,
+            AttnLayout::dense(n_ctx, hd),
+            2,
+            1,
+            hd,
+            1,
+            &mut out,
+        );
         let s = 1.0 / 2f64.sqrt();
         let expect = |scores: &[f64]| {
             let m = scores.iter().cloned().fold(f64::MIN, f64::max);
@@ -723,12 +773,34 @@ mod tests {
                 let q: Vec<f32> = (0..n_tok * n_head * hd).map(|_| rnd()).collect();
                 let mut out = vec![0f32; q.len()];
                 let reps = 400 / n_tok.min(20);
-                attention(&pool, &q, &k, &v, AttnLayout::dense(n_ctx, hd), n_head, n_kv, hd, pos0, &mut out);
+                attention(
+                    &pool,
+                    &q,
+                    &k,
+                    &v,
+                    AttnLayout::dense(n_ctx, hd),
+                    n_head,
+                    n_kv,
+                    hd,
+                    pos0,
+                    &mut out,
+                );
                 // The fastest repetition: the least disturbed by other work.
                 let per = (0..reps)
                     .map(|_| {
                         let t = std::time::Instant::now();
-                        attention(&pool, &q, &k, &v, AttnLayout::dense(n_ctx, hd), n_head, n_kv, hd, pos0, &mut out);
+                        attention(
+                            &pool,
+                            &q,
+                            &k,
+                            &v,
+                            AttnLayout::dense(n_ctx, hd),
+                            n_head,
+                            n_kv,
+                            hd,
+                            pos0,
+                            &mut out,
+                        );
                         t.elapsed().as_secs_f64()
                     })
                     .fold(f64::INFINITY, f64::min);

@@ -95,7 +95,8 @@ impl PayloadHeader {
             1 => {
                 let mut w = [0u32; HEADER_WORDS_V1 - 1];
                 read_pod(r, &mut w, "header")?;
-                let [family, n_layer, n_head_kv, head_dim, n_vocab, n_ctx, n_tokens, kv_type, _] = w;
+                let [family, n_layer, n_head_kv, head_dim, n_vocab, n_ctx, n_tokens, kv_type, _] =
+                    w;
                 Ok(PayloadHeader {
                     version: 1,
                     family,
@@ -155,7 +156,8 @@ pub(crate) fn write_f32s(w: &mut (impl Write + ?Sized), xs: &[f32]) -> Result<()
 
 pub(crate) fn write_pod<T: bytemuck::Pod + ToLe>(
     w: &mut (impl Write + ?Sized),
-    xs: &[T]) -> Result<()> {
+    xs: &[T],
+) -> Result<()> {
     if cfg!(target_endian = "little") {
         for c in bytemuck::cast_slice::<T, u8>(xs).chunks(CHUNK) {
             w.write_all(c).map_err(io)?;

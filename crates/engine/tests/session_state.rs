@@ -102,7 +102,11 @@ fn payload_round_trip_is_bitwise_at_several_lengths(f: &Family) {
         c.load_payload(&mut bytes.as_slice()).unwrap();
         let mut a2 = session(f, 1024, precision);
         a2.load_payload(&mut bytes.as_slice()).unwrap();
-        assert_eq!(greedy(&mut c, 4), greedy(&mut a2, 4), "len {len}: other chunk");
+        assert_eq!(
+            greedy(&mut c, 4),
+            greedy(&mut a2, 4),
+            "len {len}: other chunk"
+        );
         assert!(bits(&c) == bits(&a2), "len {len}: other chunk");
     }
 }
@@ -213,7 +217,17 @@ fn damaged_payloads_are_rejected_and_leave_the_session_empty(f: &Family) {
     // Header (28 bytes), tokens, logits, then the state's descriptor.
     let n_vocab = families::model(f).hparams.n_vocab;
     let state = 28 + 4 * 40 + 4 * n_vocab;
-    for cut in [0, 3, 20, 28, 28 + 4 * 40, state + 2, state + 20, good.len() / 2, good.len() - 1] {
+    for cut in [
+        0,
+        3,
+        20,
+        28,
+        28 + 4 * 40,
+        state + 2,
+        state + 20,
+        good.len() / 2,
+        good.len() - 1,
+    ] {
         check(&good[..cut], "truncated");
     }
     let mut trailing = good.clone();
@@ -270,7 +284,8 @@ fn f16_payloads_round_trip_and_do_not_load_into_f32_sessions(f: &Family) {
     let mut fb = Vec::new();
     fs.save_payload(&mut fb).unwrap();
     let hp = &model.hparams;
-    let [l, kvh, hd, vocab, t] = [hp.n_layer, hp.n_head_kv, hp.head_dim, hp.n_vocab, t].map(|x| x as u64);
+    let [l, kvh, hd, vocab, t] =
+        [hp.n_layer, hp.n_head_kv, hp.head_dim, hp.n_vocab, t].map(|x| x as u64);
     let fixed = 28 + 4 * t + 4 * vocab + 4 * (3 + 4 * l);
     assert_eq!(fb.len() as u64 - fixed, 4 * 2 * l * kvh * t * hd);
     assert_eq!(hb.len() as u64 - fixed, 2 * 2 * l * kvh * t * hd);
@@ -325,7 +340,10 @@ fn payloads_do_not_cross_families() {
         let mut bytes = Vec::new();
         s.save_payload(&mut bytes).unwrap();
         let mut t = session(into, 256, Precision::Fast);
-        let e = t.load_payload(&mut bytes.as_slice()).unwrap_err().to_string();
+        let e = t
+            .load_payload(&mut bytes.as_slice())
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("in the payload; this model is"), "{e}");
         assert!(t.tokens().is_empty());
     }

@@ -93,7 +93,7 @@ fn measure(
             ..StoreConfig::default()
         },
     )?;
-    let text = model.tokenizer.decode(cold.tokens(), true);
+    let text = model.tokenizer.prompt_text(cold.tokens());
     let id = ModelId {
         model_fp: cold.state_fingerprint(),
         quant_fp: model.fingerprint.quant,

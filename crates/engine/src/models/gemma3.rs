@@ -24,11 +24,10 @@
 //! costs the memory and attention time of its three global layers in eighteen.
 
 use ds4_gguf::Gguf;
-use ds4_kernels::act16::F2Matrix;
 use ds4_kernels::pool::ThreadPool;
 
 use super::transformer::{self, attend_layer, embed, output_head, Rows};
-use super::{Family, FamilyEntry, Scratch, SeqStep};
+use super::{Bound, Family, FamilyEntry, Scratch, SeqStep};
 use crate::error::{EngineError, Result};
 use crate::model::{Binder, HParams, Model, TensorRef};
 use crate::ops::{add_rows, geglu, project, rms_norm_rows, rms_norm_rows_inplace, Precision, Rope};
@@ -83,7 +82,7 @@ impl Gemma3 {
         il % SWA_PATTERN < SWA_PATTERN - 1
     }
 
-    fn bind(g: &Gguf, hp: &HParams) -> Result<(Box<dyn Family>, Vec<F2Matrix>)> {
+    fn bind(g: &Gguf, hp: &HParams) -> Result<Bound> {
         let key = "gemma3.attention.sliding_window";
         let window = g
             .get_u64(key)
@@ -98,14 +97,20 @@ impl Gemma3 {
             if v.as_u64() != Some(hp.head_dim as u64) {
                 return Err(EngineError::BadHyperParameter {
                     key: "gemma3.attention.value_length".into(),
-                    reason: format!("{v:?}: this family needs it equal to key_length {}", hp.head_dim),
+                    reason: format!(
+                        "{v:?}: this family needs it equal to key_length {}",
+                        hp.head_dim
+                    ),
                 });
             }
         }
         if hp.n_rot != hp.head_dim {
             return Err(EngineError::BadHyperParameter {
                 key: "gemma3.rope.dimension_count".into(),
-                reason: format!("{}: this family rotates whole heads ({})", hp.n_rot, hp.head_dim),
+                reason: format!(
+                    "{}: this family rotates whole heads ({})",
+                    hp.n_rot, hp.head_dim
+                ),
             });
         }
         let attn_scale = if hp.n_layer == 62 {

@@ -10,11 +10,10 @@
 //! `ffn_gate`/`ffn_up [n_embd, n_ff]`, `ffn_down [n_ff, n_embd]`.
 
 use ds4_gguf::Gguf;
-use ds4_kernels::act16::F2Matrix;
 use ds4_kernels::pool::ThreadPool;
 
 use super::transformer::{self, attend_layer, embed, output_head, Rows};
-use super::{Family, FamilyEntry, Scratch, SeqStep};
+use super::{Bound, Family, FamilyEntry, Scratch, SeqStep};
 use crate::error::Result;
 use crate::model::{Binder, HParams, Model, TensorRef};
 use crate::ops::{add_rows, project, rms_norm_rows, swiglu, Precision, Rope};
@@ -49,7 +48,7 @@ pub(crate) struct LlamaWeights {
 
 impl LlamaWeights {
     /// The weights and the fast path's packed copies their `TensorRef`s index.
-    fn bind(g: &Gguf, hp: &HParams) -> Result<(Box<dyn Family>, Vec<F2Matrix>)> {
+    fn bind(g: &Gguf, hp: &HParams) -> Result<Bound> {
         let mut b = Binder::new(g);
         let (n_embd, n_q, n_kv) = (hp.n_embd, hp.n_embd_q(), hp.n_embd_kv());
         let tok_embd = b.matrix("token_embd.weight", n_embd, hp.n_vocab)?;

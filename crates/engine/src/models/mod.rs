@@ -24,6 +24,10 @@ use crate::rope::RopeScaling;
 use crate::session::KvType;
 use crate::state::SeqState;
 
+/// What binding a family gives: its weights and forward pass, and the fast
+/// path's packed copies its tensors index.
+pub(crate) type Bound = (Box<dyn Family>, Vec<F2Matrix>);
+
 /// One registry entry.
 pub(crate) struct FamilyEntry {
     /// The family's name (what `ds4 info` and errors print).
@@ -35,7 +39,7 @@ pub(crate) struct FamilyEntry {
     /// Validates the family's hyper-parameters and exact tensor inventory and
     /// binds the weights; returns the fast path's packed copies the bound
     /// tensors index.
-    pub bind: fn(&Gguf, &HParams) -> Result<(Box<dyn Family>, Vec<F2Matrix>)>,
+    pub bind: fn(&Gguf, &HParams) -> Result<Bound>,
 }
 
 /// Every family this build runs.

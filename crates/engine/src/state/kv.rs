@@ -66,9 +66,15 @@ impl KvLayer {
 
 /// K and V of every layer, back to back, in one element type.
 pub(crate) enum KvBuf {
-    F32 { k: Vec<f32>, v: Vec<f32> },
+    F32 {
+        k: Vec<f32>,
+        v: Vec<f32>,
+    },
     /// f16 bits.
-    F16 { k: Vec<u16>, v: Vec<u16> },
+    F16 {
+        k: Vec<u16>,
+        v: Vec<u16>,
+    },
 }
 
 /// One layer's K and V rows, mutable, in their element type.
@@ -162,7 +168,10 @@ impl KvState {
         if b <= l.rows {
             [head + a * hd..head + b * hd, head..head]
         } else {
-            [head + a * hd..head + l.rows * hd, head..head + (b - l.rows) * hd]
+            [
+                head + a * hd..head + l.rows * hd,
+                head..head + (b - l.rows) * hd,
+            ]
         }
     }
 
@@ -318,11 +327,7 @@ impl SeqState for KvState {
     }
 
     fn write(&self, w: &mut dyn Write) -> Result<()> {
-        let mut words = vec![
-            KIND_KV,
-            self.kv_type_of().code(),
-            self.layers.len() as u32,
-        ];
+        let mut words = vec![KIND_KV, self.kv_type_of().code(), self.layers.len() as u32];
         for l in &self.layers {
             words.extend([
                 l.spec.n_head_kv as u32,
@@ -347,7 +352,12 @@ impl SeqState for KvState {
             Err(e)
         };
         if kind != KIND_KV {
-            return fail(self, bad(format!("state kind {kind}, this family stores K/V rows ({KIND_KV})")));
+            return fail(
+                self,
+                bad(format!(
+                    "state kind {kind}, this family stores K/V rows ({KIND_KV})"
+                )),
+            );
         }
         match KvType::from_code(ty) {
             Some(t) if t == self.kv_type_of() => {}
@@ -363,7 +373,9 @@ impl SeqState for KvState {
             None => {
                 return fail(
                     self,
-                    bad(format!("K/V element type {ty} (this build stores f32 = 0, f16 = 1)")),
+                    bad(format!(
+                        "K/V element type {ty} (this build stores f32 = 0, f16 = 1)"
+                    )),
                 )
             }
         }
@@ -438,10 +450,16 @@ pub(crate) fn store_rows<T: AsF32Rows>(
         for h in 0..n_head_kv {
             let dst = (h * layout.rows + row) * head_dim;
             let src = t * n_kv + h * head_dim;
-            for (d, &x) in k_rows[dst..dst + head_dim].iter_mut().zip(&k[src..src + head_dim]) {
+            for (d, &x) in k_rows[dst..dst + head_dim]
+                .iter_mut()
+                .zip(&k[src..src + head_dim])
+            {
                 *d = T::narrow(x);
             }
-            for (d, &x) in v_rows[dst..dst + head_dim].iter_mut().zip(&v[src..src + head_dim]) {
+            for (d, &x) in v_rows[dst..dst + head_dim]
+                .iter_mut()
+                .zip(&v[src..src + head_dim])
+            {
                 *d = T::narrow(x);
             }
         }

@@ -173,6 +173,29 @@ impl Tokenizer {
         out
     }
 
+    /// The text of a prompt's ids: their pieces with special tokens rendered, but
+    /// without the BOS that [`encode`](Self::encode) with `add_special` puts first
+    /// (it is not in the prompt's text). Encoding this text that way gives `ids`
+    /// back for a prompt that was tokenized that way, so it is the text a
+    /// checkpoint of these ids is found by.
+    pub fn prompt_text(&self, ids: &[u32]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(ids.len() * 4);
+        for (i, &id) in ids.iter().enumerate() {
+            out.extend_from_slice(self.prompt_piece(i, id));
+        }
+        out
+    }
+
+    /// What token `id` at index `i` of a prompt's ids adds to
+    /// [`prompt_text`](Self::prompt_text): nothing for the added BOS, its piece
+    /// otherwise.
+    pub fn prompt_piece(&self, i: usize, id: u32) -> &[u8] {
+        if i == 0 && self.vocab.add_bos && self.vocab.bos() == Some(id) {
+            return &[];
+        }
+        self.token_piece(id, true)
+    }
+
     /// The bytes token `id` stands for. Control and unknown tokens render as their
     /// text only when `render_special`; user-defined tokens always do. Ids outside
     /// the vocabulary render as nothing.
