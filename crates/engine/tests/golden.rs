@@ -120,10 +120,7 @@ fn bounds(f: &Family) -> Bounds {
             // llama.cpp's own CPU path sits a mean 0.16-0.30 (worst 0.36-0.68)
             // from the exact result on these vectors (README §4): its numerics
             // are what this mode reproduces, each rounding a new draw.
-            q8: Bound {
-                mean: 0.40,
-                ..Q8
-            },
+            q8: Bound { mean: 0.40, ..Q8 },
         },
         _ => Bounds {
             exact: EXACT,
