@@ -20,6 +20,7 @@ pub enum GgmlType {
     Q5_K,
     Q6_K,
     Q8_K,
+    IQ2_XXS,
     I8,
     I16,
     I32,
@@ -47,6 +48,7 @@ impl GgmlType {
             13 => Q5_K,
             14 => Q6_K,
             15 => Q8_K,
+            16 => IQ2_XXS,
             24 => I8,
             25 => I16,
             26 => I32,
@@ -75,6 +77,7 @@ impl GgmlType {
             Q5_K => 13,
             Q6_K => 14,
             Q8_K => 15,
+            IQ2_XXS => 16,
             I8 => 24,
             I16 => 25,
             I32 => 26,
@@ -89,7 +92,7 @@ impl GgmlType {
         use GgmlType::*;
         match self {
             Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 => 32,
-            Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | Q8_K => 256,
+            Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | Q8_K | IQ2_XXS => 256,
             _ => 1,
         }
     }
@@ -114,6 +117,7 @@ impl GgmlType {
             Q5_K => 176,
             Q6_K => 210,
             Q8_K => 292,
+            IQ2_XXS => 66,
         }
     }
 
@@ -145,6 +149,7 @@ impl GgmlType {
             Q5_K => "q5_K",
             Q6_K => "q6_K",
             Q8_K => "q8_K",
+            IQ2_XXS => "iq2_xxs",
             I8 => "i8",
             I16 => "i16",
             I32 => "i32",
@@ -179,6 +184,7 @@ mod tests {
     fn byte_sizes() {
         assert_eq!(GgmlType::Q4_1.bytes_for(576), Some(18 * 20));
         assert_eq!(GgmlType::Q6_K.bytes_for(512), Some(2 * 210));
+        assert_eq!(GgmlType::IQ2_XXS.bytes_for(512), Some(2 * 66));
         assert_eq!(GgmlType::Q4_K.bytes_for(100), None);
         assert_eq!(GgmlType::F32.bytes_for(3), Some(12));
         assert_eq!(GgmlType::Q8_0.bytes_for(u64::MAX / 32 * 32), None);

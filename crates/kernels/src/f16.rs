@@ -56,6 +56,21 @@ pub fn vec_dot_f16_f32(w: &[u8], y: &[f32]) -> f32 {
     dot_lanes(w.chunks_exact(2), y, |b| fp16_to_fp32([b[0], b[1]]))
 }
 
+/// F16 weights (little-endian bytes) · f32 activations as one running f32
+/// sum in increasing `i` (`acc += w[i]·y[i]`, no FMA): the DeepSeek V4
+/// reference engine's `dot_f16_row`.
+///
+/// # Panics
+/// If `w.len() != 2 * y.len()`.
+pub fn dot_f16_serial(w: &[u8], y: &[f32]) -> f32 {
+    assert_eq!(w.len(), 2 * y.len(), "dot_f16_serial lengths");
+    let mut acc = 0.0f32;
+    for (b, &v) in w.chunks_exact(2).zip(y) {
+        acc += fp16_to_fp32([b[0], b[1]]) * v;
+    }
+    acc
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

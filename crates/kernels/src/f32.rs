@@ -114,6 +114,21 @@ pub(crate) fn reduce_lanes(acc: &[f32; LANES]) -> f32 {
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }
 
+/// `Σ x[i]·y[i]` as one running f32 sum in increasing `i` (two roundings per
+/// element, no FMA): the order of the DeepSeek V4 reference engine's
+/// `dot_f32` (attention scores, indexer scores).
+///
+/// # Panics
+/// If the lengths differ.
+pub fn dot_serial(x: &[f32], y: &[f32]) -> f32 {
+    assert_eq!(x.len(), y.len(), "dot_serial lengths");
+    let mut acc = 0.0f32;
+    for (&a, &b) in x.iter().zip(y) {
+        acc += a * b;
+    }
+    acc
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

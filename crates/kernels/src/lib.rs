@@ -37,8 +37,10 @@ pub mod bf16;
 pub mod f16;
 pub mod f32;
 pub mod fast;
+pub mod iq2_xxs;
 pub mod matmul;
 pub mod pool;
+pub mod q2_k;
 pub mod q4_0;
 pub mod q4_1;
 pub mod q4_k;
@@ -47,6 +49,7 @@ pub mod q6_k;
 pub mod q8_0;
 pub mod q8_k;
 pub mod q8_matvec;
+pub mod qat;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

@@ -4,7 +4,9 @@
 //! Used both as a weight format and as the activation format for the 32-wide
 //! weight formats (Q4_0, Q4_1, Q5_0, Q8_0). Follows ggml's `block_q8_0`,
 //! `dequantize_row_q8_0`, `quantize_row_q8_0_ref` and
-//! `ggml_vec_dot_q8_0_q8_0_generic`.
+//! `ggml_vec_dot_q8_0_q8_0_generic`; and the DeepSeek V4 reference engine's
+//! activations with f32 block scales and their dot product
+//! ([`quantize_row_f32_scales`], [`vec_dot_q8_0_f32_scales`]).
 
 use bytemuck::{Pod, Zeroable};
 
@@ -90,6 +92,55 @@ pub fn vec_dot_q8_0_q8_0(x: &[BlockQ8_0], y: &[BlockQ8_0]) -> f32 {
         sumf += sumi as f32 * (fp16_to_fp32(bx.d) * fp16_to_fp32(by.d));
     }
     sumf
+}
+
+/// The DeepSeek V4 reference engine's Q8_0 activations
+/// (`quantize_q8_0_activation`): per block of 32, `d = amax/127` kept in
+/// f32 (not rounded to f16, unlike [`quantize_row_ref`]) and quants
+/// `x·(1/d)` rounded to nearest, ties to even (`lrintf`), clamped to
+/// [-128, 127]; `1/d` is 0 for an all-zero block.
+///
+/// # Panics
+/// If `x.len() != qs.len()` or `x.len() != QK8_0 * d.len()`.
+pub fn quantize_row_f32_scales(x: &[f32], qs: &mut [i8], d: &mut [f32]) {
+    assert!(
+        x.len() == qs.len() && x.len() == d.len() * QK8_0,
+        "q8_0 quantize_row_f32_scales lengths"
+    );
+    for ((x, q), d) in x.chunks_exact(QK8_0).zip(qs.chunks_exact_mut(QK8_0)).zip(d) {
+        let amax = x
+            .iter()
+            .fold(0.0f32, |m, v| if v.abs() > m { v.abs() } else { m });
+        *d = amax / 127.0;
+        let id = if *d != 0.0 { 1.0 / *d } else { 0.0 };
+        for (q, &v) in q.iter_mut().zip(x) {
+            *q = ((v * id).round_ties_even() as i32).clamp(-128, 127) as i8;
+        }
+    }
+}
+
+/// Q8_0 weights · activations of [`quantize_row_f32_scales`], in the DeepSeek
+/// V4 reference engine's order (`dot_q8_0_row`): per block an exact integer
+/// sum `isum`, then `acc += (f16(w.d)·d[b])·isum` in f32, blocks in order.
+///
+/// # Panics
+/// If the lengths disagree.
+pub fn vec_dot_q8_0_f32_scales(w: &[BlockQ8_0], qs: &[i8], d: &[f32]) -> f32 {
+    assert!(
+        w.len() == d.len() && qs.len() == d.len() * QK8_0,
+        "vec_dot_q8_0_f32_scales lengths"
+    );
+    let mut acc = 0.0f32;
+    for ((bw, q), &dy) in w.iter().zip(qs.chunks_exact(QK8_0)).zip(d) {
+        let isum: i32 = bw
+            .qs
+            .iter()
+            .zip(q)
+            .map(|(&a, &b)| a as i32 * b as i32)
+            .sum();
+        acc += fp16_to_fp32(bw.d) * dy * isum as f32;
+    }
+    acc
 }
 
 #[cfg(test)]
@@ -181,5 +232,47 @@ mod tests {
         b.qs[31] = 127;
         // (3·-5 + 127·127) · (2·0.25) = 16114 · 0.5
         assert_eq!(vec_dot_q8_0_q8_0(&[a, a], &[b, b]), 2.0 * 8057.0);
+    }
+
+    #[test]
+    fn f32_scale_activations_round_ties_to_even_and_keep_the_scale() {
+        let mut x = [0.0f32; QK8_0];
+        x[0] = 127.0; // d = 1 exactly
+        x[1] = 2.5;
+        x[2] = -3.5;
+        x[3] = 0.5;
+        let (mut q, mut d) = ([0i8; QK8_0], [0.0f32; 1]);
+        quantize_row_f32_scales(&x, &mut q, &mut d);
+        assert_eq!(d[0], 1.0);
+        assert_eq!(&q[..4], &[127, 2, -4, 0]);
+        quantize_row_f32_scales(&[0.0; QK8_0], &mut q, &mut d);
+        assert_eq!((d[0], q), (0.0, [0; QK8_0]));
+        // d stays f32: 1/3 would round to f16.
+        let x: Vec<f32> = (0..QK8_0).map(|i| i as f32 / 93.0).collect();
+        quantize_row_f32_scales(&x, &mut q, &mut d);
+        assert_eq!(d[0], (31.0f32 / 93.0) / 127.0);
+    }
+
+    #[test]
+    fn f32_scale_dot_sums_blocks_in_order() {
+        let mut rng = XorShift::new(5);
+        let n = 4 * QK8_0;
+        let w: Vec<f32> = (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        let a: Vec<f32> = (0..n).map(|_| rng.uniform(-2.0, 2.0)).collect();
+        let mut wb = vec![BlockQ8_0::ZERO; 4];
+        quantize_row_ref(&w, &mut wb);
+        let (mut q, mut d) = (vec![0i8; n], vec![0.0f32; 4]);
+        quantize_row_f32_scales(&a, &mut q, &mut d);
+        let mut want = 0.0f32;
+        for b in 0..4 {
+            let isum: i32 = (0..QK8_0)
+                .map(|j| wb[b].qs[j] as i32 * q[b * QK8_0 + j] as i32)
+                .sum();
+            want += fp16_to_fp32(wb[b].d) * d[b] * isum as f32;
+        }
+        assert_eq!(
+            vec_dot_q8_0_f32_scales(&wb, &q, &d).to_bits(),
+            want.to_bits()
+        );
     }
 }

@@ -13,14 +13,7 @@ pub const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
 
 /// `$DS4_HOME/models/<file>`, panicking with the command that fetches it when absent.
 pub fn model_path(file: &str) -> PathBuf {
-    let home = std::env::var_os("DS4_HOME")
-        .filter(|h| !h.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME or DS4_HOME must be set"))
-                .join(".cache/ds4")
-        });
-    let path = home.join("models").join(file);
+    let path = models_dir().join(file);
     assert!(
         path.is_file(),
         "model missing at {}: run `cargo run --release -p ds4-cli -- model pull {}` (or ./scripts/test.sh)",
@@ -44,4 +37,18 @@ pub fn vectors_dir(sub: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/vectors")
         .join(sub)
+}
+
+pub mod tiny_ds4;
+
+/// `$DS4_HOME/models` (default `~/.cache/ds4/models`).
+pub fn models_dir() -> PathBuf {
+    std::env::var_os("DS4_HOME")
+        .filter(|h| !h.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME or DS4_HOME must be set"))
+                .join(".cache/ds4")
+        })
+        .join("models")
 }
