@@ -8,7 +8,7 @@
 //!
 //! | `tokenizer.ggml.model` | `tokenizer.ggml.pre` | model |
 //! |---|---|---|
-//! | `gpt2` | `smollm` | byte-level BPE (`bpe`, pre-tokenizer in `pretokenize`) |
+//! | `gpt2` | `smollm`, `joyai-llm` | byte-level BPE (`bpe`, pre-tokenizers in `pretokenize`), e.g. SmolLM2, DeepSeek V4 |
 //! | `llama` | not read (llama.cpp ignores it too) | SentencePiece-style merges by score with byte fallback (`spm`), e.g. Gemma 3 |
 //!
 //! Decoding concatenates per-token pieces; it does not strip a leading BOS, nor the
@@ -159,6 +159,18 @@ impl Tokenizer {
         }
         if add_special && v.add_eos {
             out.extend(v.eos());
+        }
+        out
+    }
+
+    /// Tokenizes `text` with the vocabulary model alone: no special-token text
+    /// is recognized, not even a user-defined one, and nothing is added (the
+    /// DeepSeek V4 reference engine's `bpe_tokenize_text`).
+    pub fn encode_plain(&self, text: &str) -> Vec<u32> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 2);
+        match &self.model {
+            Model::Bpe(bpe) => bpe.encode(text, &mut out),
+            Model::Spm(spm) => spm.encode(&self.vocab, text, true, &mut out),
         }
         out
     }

@@ -13,8 +13,19 @@
 //!    lookahead `(?!\S)` looks at the code point after the whitespace run, and a piece
 //!    boundary from step 1 counts as "end of text" there, exactly as in llama.cpp.
 //!
+//! For `joyai-llm` (DeepSeek V4, llama.cpp's `LLAMA_VOCAB_PRE_TYPE_JOYAI_LLM`, the
+//! HF `tokenizer.json` pre-tokenizer) three expressions run in sequence as
+//! "isolated" splits, each inside every piece the one before left (a piece boundary
+//! is the end of the text for the next), unmatched gaps kept as pieces:
+//!
+//! 1. `\p{N}{1,3}`: digit groups of up to three, from the left;
+//! 2. `[一-龥぀-ゟ゠-ヿ]+` (U+4E00-9FA5, U+3040-309F, U+30A0-30FF): CJK and kana runs;
+//! 3. ``[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+``,
+//!    ported by hand ([`split_joyai`]), leftmost-first alternation as a
+//!    backtracking engine runs it.
+//!
 //! Character classes: `\p{L}` is general category L* (Lu Ll Lt Lm Lo), `\p{N}` is N*
-//! (Nd Nl No), `\s` is the Unicode White_Space property (the same 25 code points as
+//! (Nd Nl No), `\p{M}` M*, `\p{P}` P*, `\p{S}` S*, `\s` is the Unicode White_Space property (the same 25 code points as
 //! llama.cpp's `unicode_set_whitespace`). Categories come from the
 //! `unicode-general-category` crate (Unicode 16.0); llama.cpp's table is Unicode 15.1,
 //! so the two disagree only on letters and digits first assigned in Unicode 16.0.
@@ -28,6 +39,9 @@ use unicode_general_category::{get_general_category, GeneralCategory};
 pub(crate) enum PreType {
     /// `smollm`: split off every digit, then the GPT-2 expression.
     Smollm,
+    /// `joyai-llm` (DeepSeek V4): digit groups, CJK runs, then its letter /
+    /// punctuation / whitespace expression.
+    JoyAi,
 }
 
 impl PreType {
@@ -35,12 +49,13 @@ impl PreType {
     pub(crate) fn from_gguf_name(name: &str) -> Option<Self> {
         match name {
             "smollm" => Some(PreType::Smollm),
+            "joyai-llm" => Some(PreType::JoyAi),
             _ => None,
         }
     }
 
     /// The `tokenizer.ggml.pre` values this module implements.
-    pub(crate) const SUPPORTED: &'static str = "smollm";
+    pub(crate) const SUPPORTED: &'static str = "smollm, joyai-llm";
 }
 
 /// What the GPT-2 expression needs to know about a code point. White_Space code
@@ -114,6 +129,27 @@ pub(crate) fn split(pre: PreType, text: &str) -> Vec<Range<usize>> {
             }
             split_gpt2(&cps, ini, cps.len(), &mut ends);
         }
+        PreType::JoyAi => {
+            let jc: Vec<Joy> = cps.iter().map(|c| Joy::of(c.ch)).collect();
+            // Pass 1: digit groups of up to three; pass 2 (CJK runs) and 3 in the gaps.
+            let mut ini = 0;
+            let mut i = 0;
+            while i < jc.len() {
+                if jc[i].number {
+                    split_cjk(&jc, ini, i, &mut ends);
+                    let mut j = i;
+                    while j < jc.len() && j - i < 3 && jc[j].number {
+                        j += 1;
+                    }
+                    ends.push(j);
+                    i = j;
+                    ini = j;
+                } else {
+                    i += 1;
+                }
+            }
+            split_cjk(&jc, ini, jc.len(), &mut ends);
+        }
     }
     let byte_at = |i: usize| {
         if i < cps.len() {
@@ -129,6 +165,148 @@ pub(crate) fn split(pre: PreType, text: &str) -> Vec<Range<usize>> {
         start = end;
     }
     words
+}
+
+/// What the `joyai-llm` expressions ask of a code point.
+#[derive(Clone, Copy, Debug, Default)]
+struct Joy {
+    /// `\p{N}`.
+    number: bool,
+    /// U+4E00-9FA5, U+3040-309F, U+30A0-30FF.
+    cjk: bool,
+    /// `\p{L}`.
+    letter: bool,
+    /// `\p{M}`.
+    mark: bool,
+    /// `\p{P}` or `\p{S}`.
+    punct: bool,
+    /// `\s` (White_Space).
+    space: bool,
+    /// `\r` or `\n`.
+    newline: bool,
+    /// U+0020, the optional prefix of the punctuation alternative.
+    blank: bool,
+    /// ASCII letter.
+    ascii_alpha: bool,
+    /// One of the ASCII punctuation characters of the first alternative.
+    ascii_punct: bool,
+}
+
+impl Joy {
+    fn of(c: char) -> Self {
+        use GeneralCategory::*;
+        let cat = get_general_category(c);
+        Joy {
+            number: matches!(cat, DecimalNumber | LetterNumber | OtherNumber),
+            cjk: matches!(c, '\u{4E00}'..='\u{9FA5}' | '\u{3040}'..='\u{309F}' | '\u{30A0}'..='\u{30FF}'),
+            letter: matches!(
+                cat,
+                UppercaseLetter | LowercaseLetter | TitlecaseLetter | ModifierLetter | OtherLetter
+            ),
+            mark: matches!(cat, NonspacingMark | SpacingMark | EnclosingMark),
+            punct: matches!(
+                cat,
+                ConnectorPunctuation
+                    | DashPunctuation
+                    | OpenPunctuation
+                    | ClosePunctuation
+                    | InitialPunctuation
+                    | FinalPunctuation
+                    | OtherPunctuation
+                    | MathSymbol
+                    | CurrencySymbol
+                    | ModifierSymbol
+                    | OtherSymbol
+            ),
+            space: c.is_whitespace(),
+            newline: c == '\r' || c == '\n',
+            blank: c == ' ',
+            ascii_alpha: c.is_ascii_alphabetic(),
+            ascii_punct: c.is_ascii_punctuation(),
+        }
+    }
+}
+
+/// Pass 2 of `joyai-llm` over `jc[ini..end]`: CJK runs are pieces, the
+/// expression of pass 3 runs in the gaps.
+fn split_cjk(jc: &[Joy], ini: usize, end: usize, ends: &mut Vec<usize>) {
+    let mut gap = ini;
+    let mut i = ini;
+    while i < end {
+        if jc[i].cjk {
+            split_joyai(jc, gap, i, ends);
+            while i < end && jc[i].cjk {
+                i += 1;
+            }
+            ends.push(i);
+            gap = i;
+        } else {
+            i += 1;
+        }
+    }
+    split_joyai(jc, gap, end, ends);
+}
+
+/// Pass 3 of `joyai-llm` over `jc[ini..end]`, pushing piece ends: at each
+/// position the first alternative that matches (as a backtracking engine
+/// matches it) makes a piece; positions where none does gather into gap pieces.
+fn split_joyai(jc: &[Joy], ini: usize, end: usize, ends: &mut Vec<usize>) {
+    let at = |pos: usize| (pos < end).then(|| jc[pos]);
+    let run = |mut pos: usize, f: &dyn Fn(Joy) -> bool| {
+        while pos < end && f(jc[pos]) {
+            pos += 1;
+        }
+        pos
+    };
+    let mut in_gap = false;
+    let mut pos = ini;
+    while pos < end {
+        let c = jc[pos];
+        let next = at(pos + 1);
+        let m = if c.ascii_punct && next.is_some_and(|n| n.ascii_alpha) {
+            // [!"#...~][A-Za-z]+
+            Some(run(pos + 1, &|j| j.ascii_alpha))
+        } else if !(c.newline || c.letter || c.punct) && next.is_some_and(|n| n.letter || n.mark) {
+            // [^\r\n\p{L}\p{P}\p{S}][\p{L}\p{M}]+
+            Some(run(pos + 1, &|j| j.letter || j.mark))
+        } else if c.letter || c.mark {
+            // [\p{L}\p{M}]+
+            Some(run(pos, &|j| j.letter || j.mark))
+        } else if c.punct || (c.blank && next.is_some_and(|n| n.punct)) {
+            // ` ?[\p{P}\p{S}]+[\r\n]*`
+            let p = run(if c.punct { pos } else { pos + 1 }, &|j| j.punct);
+            Some(run(p, &|j| j.newline))
+        } else if c.space {
+            let ws_end = run(pos, &|j| j.space);
+            let last_newline = (pos..ws_end).rev().find(|&i| jc[i].newline);
+            Some(match last_newline {
+                // \s*[\r\n]+
+                Some(i) => i + 1,
+                // \s+(?!\S), else \s+
+                None if ws_end < end && ws_end - pos > 1 => ws_end - 1,
+                None => ws_end,
+            })
+        } else {
+            None
+        };
+        match m {
+            Some(m) => {
+                if in_gap {
+                    ends.push(pos);
+                    in_gap = false;
+                }
+                ends.push(m);
+                pos = m;
+            }
+            None => {
+                in_gap = true;
+                pos += 1;
+            }
+        }
+    }
+    if in_gap {
+        ends.push(end);
+    }
 }
 
 /// `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+` over the
@@ -307,5 +485,37 @@ mod tests {
             at = r.end;
         }
         assert_eq!(at, text.len());
+    }
+
+    fn joy(text: &str) -> Vec<&str> {
+        split(PreType::JoyAi, text)
+            .into_iter()
+            .map(|r| &text[r])
+            .collect()
+    }
+
+    #[test]
+    fn joyai_digit_groups_cjk_runs_and_whitespace() {
+        assert_eq!(joy("1234567"), ["123", "456", "7"]);
+        assert_eq!(joy("ab 12c"), ["ab", " ", "12", "c"]);
+        // A whitespace run before CJK ends its piece, so it stays whole.
+        assert_eq!(joy("b  中文x"), ["b", "  ", "中文", "x"]);
+        assert_eq!(joy("Hello world"), ["Hello", " world"]);
+        assert_eq!(joy("a   b"), ["a", "  ", " b"]);
+        assert_eq!(joy("x \n\n y"), ["x", " \n\n", " y"]);
+        assert_eq!(joy("end  "), ["end", "  "]);
+    }
+
+    #[test]
+    fn joyai_punctuation_and_gaps() {
+        // ASCII punctuation glued to the letters after it.
+        assert_eq!(joy("don't"), ["don", "'t"]);
+        assert_eq!(joy("a.b"), ["a", ".b"]);
+        assert_eq!(joy("x = (y);\n"), ["x", " =", " (", "y", ");\n"]);
+        // Typographic punctuation is \p{P}: its own piece.
+        assert_eq!(joy("«ciao»"), ["«", "ciao", "»"]);
+        // Control characters before a letter prefix it; a run of them is a gap.
+        assert_eq!(joy("\u{1}\u{7}\u{1b}"), ["\u{1}\u{7}\u{1b}"]);
+        assert_eq!(joy("\u{1}ab"), ["\u{1}ab"]);
     }
 }
