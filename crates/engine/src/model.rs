@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use ds4_gguf::{Gguf, TensorInfo};
+use ds4_gguf::{GgmlType, Gguf, TensorInfo};
 use ds4_kernels::act16::F2Matrix;
 use ds4_kernels::matmul::WeightMatrix;
 use ds4_kernels::WeightFormat;
@@ -45,8 +45,16 @@ impl HParams {
     }
 
     /// The hyper-parameters every family reads (`{arch}.*` keys); a family
-    /// checks its own extra ones when it binds.
-    fn from_gguf(g: &Gguf, arch: &str, n_vocab: usize) -> Result<Self> {
+    /// checks its own extra ones when it binds. `context_length` may be absent
+    /// where the family names a default (`n_ctx_train_default`);
+    /// `feed_forward_length` may be absent in a mixture-of-experts file, which
+    /// then gives `expert_feed_forward_length`.
+    fn from_gguf(
+        g: &Gguf,
+        arch: &str,
+        n_vocab: usize,
+        n_ctx_train_default: Option<usize>,
+    ) -> Result<Self> {
         let arch = arch.to_string();
         let int = |name: &str| -> Result<usize> {
             let key = format!("{arch}.{name}");
@@ -71,7 +79,16 @@ impl HParams {
             Some(_) => g.get_f64(&format!("{arch}.rope.freq_base"))? as f32,
             None => 10_000.0,
         };
-        let n_ctx_train = int("context_length")?;
+        let has = |name: &str| g.get(&format!("{arch}.{name}")).is_some();
+        let n_ctx_train = match n_ctx_train_default {
+            Some(n) if !has("context_length") => n,
+            _ => int("context_length")?,
+        };
+        let n_ff = if has("feed_forward_length") || !has("expert_feed_forward_length") {
+            int("feed_forward_length")?
+        } else {
+            int("expert_feed_forward_length")?
+        };
         let rope_scaling = rope_scaling_of(g, &arch, n_ctx_train)?;
         let hp = HParams {
             n_vocab,
@@ -81,7 +98,7 @@ impl HParams {
             n_head,
             n_head_kv,
             head_dim,
-            n_ff: int("feed_forward_length")?,
+            n_ff,
             rms_eps: g.get_f64(&format!("{arch}.attention.layer_norm_rms_epsilon"))? as f32,
             rope_base,
             n_rot,
@@ -251,11 +268,34 @@ impl<'g> Binder<'g> {
         })
     }
 
+    /// The bytes (as a range of the mapping) of a tensor of exactly `dims` and
+    /// type `ty`, for layouts [`matrix`](Self::matrix) does not describe (3-D
+    /// expert stacks, integer tables, formats the family's own kernels run),
+    /// never packed.
+    pub fn tensor(
+        &mut self,
+        name: &str,
+        dims: &[usize],
+        ty: GgmlType,
+    ) -> Result<std::ops::Range<usize>> {
+        let data_offset = self.g.data_offset;
+        let t = self.info(name, dims)?;
+        if t.ty != ty {
+            return Err(EngineError::WrongType {
+                name: name.into(),
+                expected: ty.name(),
+                found: t.ty.name().into(),
+            });
+        }
+        let start = (data_offset + t.offset) as usize;
+        Ok(start..start + t.n_bytes as usize)
+    }
+
     /// A vector of `n` f32 values (norm weights), copied out of the mapping.
     pub fn f32_vector(&mut self, name: &str, n: usize) -> Result<Vec<f32>> {
         let g = self.g;
         let t = self.info(name, &[n])?;
-        if t.ty != ds4_gguf::GgmlType::F32 {
+        if t.ty != GgmlType::F32 {
             return Err(EngineError::WrongType {
                 name: name.into(),
                 expected: "f32",
@@ -362,7 +402,7 @@ impl Model {
         let entry = models::entry_for(arch)?;
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
         let n_vocab = tokenizer.n_vocab();
-        let hparams = HParams::from_gguf(&gguf, entry.arch, n_vocab)?;
+        let hparams = HParams::from_gguf(&gguf, entry.arch, n_vocab, entry.n_ctx_train_default)?;
         if let Some(v) = gguf.get(&format!("{}.vocab_size", hparams.arch)) {
             if v.as_u64() != Some(n_vocab as u64) {
                 return Err(bad(

@@ -14,7 +14,7 @@ use crate::models::{LogitsOut, Scratch, SeqStep};
 use crate::ops::Precision;
 use crate::payload::{self, PayloadHeader, PAYLOAD_VERSION};
 use crate::rope::RopeScaling;
-use crate::state::SeqState;
+use crate::state::{Codec, CodecMut, SeqState};
 
 /// How K and V rows are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -423,19 +423,32 @@ impl Session {
 
     /// Exact size of [`save_payload`](Self::save_payload)'s output.
     pub fn payload_bytes(&self) -> u64 {
-        let t = self.tokens.len() as u64;
-        PayloadHeader::BYTES
-            + 4 * t
-            + 4 * self.model.hparams.n_vocab as u64
-            + self.state.payload_bytes()
+        let n_vocab = self.model.hparams.n_vocab;
+        match self.state.codec() {
+            Codec::Container(part) => {
+                PayloadHeader::BYTES
+                    + 4 * self.tokens.len() as u64
+                    + 4 * n_vocab as u64
+                    + part.payload_bytes()
+            }
+            Codec::Own(own) => own.payload_bytes(n_vocab),
+        }
     }
 
     /// Writes the session (tokens, next-token logits, the family's state) as a
-    /// payload; `w` should be buffered.
+    /// payload: the DS4S container, or the family's own layout where it keeps
+    /// its original engine's (DeepSeek V4). `w` should be buffered.
     pub fn save_payload(&self, w: &mut impl Write) -> Result<()> {
         if !self.has_logits {
             return Err(EngineError::NoLogits);
         }
+        let part = match self.state.codec() {
+            Codec::Container(part) => part,
+            Codec::Own(own) => {
+                own.write_payload(&self.tokens, &self.logits, w)?;
+                return w.flush().map_err(EngineError::PayloadIo);
+            }
+        };
         let header = PayloadHeader {
             version: PAYLOAD_VERSION,
             family: self.model.family.entry().payload_id,
@@ -447,7 +460,7 @@ impl Session {
         header.write(w)?;
         payload::write_u32s(w, &self.tokens)?;
         payload::write_f32s(w, &self.logits)?;
-        self.state.write(w)?;
+        part.write(w)?;
         w.flush().map_err(EngineError::PayloadIo)
     }
 
@@ -466,6 +479,11 @@ impl Session {
     }
 
     fn load_inner(&mut self, r: &mut impl Read) -> Result<()> {
+        if let CodecMut::Own(own) = self.state.codec_mut() {
+            own.read_payload(&mut self.tokens, &mut self.logits, r)?;
+            self.has_logits = true;
+            return Ok(());
+        }
         let h = PayloadHeader::read(r)?;
         let entry = self.model.family.entry();
         let hp = &self.model.hparams;
@@ -515,9 +533,11 @@ impl Session {
         self.tokens.resize(n, 0);
         payload::read_u32s(r, &mut self.tokens, "tokens")?;
         payload::read_f32s(r, &mut self.logits, "logits")?;
-        match h.v1 {
-            Some(_) => self.state.read_v1(n, r)?,
-            None => self.state.read(n, r)?,
+        if let CodecMut::Container(part) = self.state.codec_mut() {
+            match h.v1 {
+                Some(_) => part.read_v1(n, r)?,
+                None => part.read(n, r)?,
+            }
         }
         payload::expect_end(r)?;
         let n_vocab = hp.n_vocab;

@@ -234,7 +234,7 @@ fn hyper_parameter_errors_name_the_key() {
     });
     assert_eq!(
         e,
-        "unsupported architecture \"mamba\" (this build runs: llama, gemma3)"
+        "unsupported architecture \"mamba\" (this build runs: llama, gemma3, deepseek4)"
     );
     let e = broken(|m, _| {
         m.iter_mut()

@@ -50,6 +50,7 @@ pub mod q8_0;
 pub mod q8_k;
 pub mod q8_matvec;
 pub mod qat;
+pub mod serial;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

@@ -84,7 +84,7 @@ impl<'a> WeightMatrix<'a> {
 
 /// A pointer to the output that threads write at disjoint indices.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 // SAFETY: every thread writes a disjoint set of indices (its own weight rows of each
 // token), and `ThreadPool::run` returns only after all threads are done.
 unsafe impl Sync for OutPtr {}
@@ -94,7 +94,7 @@ unsafe impl Send for OutPtr {}
 impl OutPtr {
     /// # Safety
     /// `i` is in bounds of the output and no other thread writes index `i`.
-    unsafe fn write(self, i: usize, v: f32) {
+    pub(crate) unsafe fn write(self, i: usize, v: f32) {
         // SAFETY: guaranteed by the caller.
         unsafe { *self.0.add(i) = v }
     }
@@ -102,7 +102,7 @@ impl OutPtr {
     /// # Safety
     /// `start..start + len` is in bounds of the output and no other thread writes
     /// those indices while the slice lives.
-    unsafe fn slice<'a>(self, start: usize, len: usize) -> &'a mut [f32] {
+    pub(crate) unsafe fn slice<'a>(self, start: usize, len: usize) -> &'a mut [f32] {
         // SAFETY: guaranteed by the caller.
         unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
     }

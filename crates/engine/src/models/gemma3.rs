@@ -40,6 +40,7 @@ pub(crate) const ENTRY: FamilyEntry = FamilyEntry {
     arch: "gemma3",
     payload_id: 2,
     bind: Gemma3::bind,
+    n_ctx_train_default: None,
 };
 
 /// Every `SWA_PATTERN`-th layer (the last of each group) is global.

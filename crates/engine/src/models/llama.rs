@@ -25,6 +25,7 @@ pub(crate) const ENTRY: FamilyEntry = FamilyEntry {
     arch: "llama",
     payload_id: 1,
     bind: LlamaWeights::bind,
+    n_ctx_train_default: None,
 };
 
 pub(crate) struct LayerWeights {

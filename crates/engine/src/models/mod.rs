@@ -7,6 +7,7 @@
 //! family's forward pass runs a batch of sequences at once ([`SeqStep`]), each
 //! with its own state, so every weight matrix is read once for all their rows.
 
+pub mod deepseek4;
 pub mod gemma3;
 pub mod llama;
 mod transformer;
@@ -40,10 +41,13 @@ pub(crate) struct FamilyEntry {
     /// binds the weights; returns the fast path's packed copies the bound
     /// tensors index.
     pub bind: fn(&Gguf, &HParams) -> Result<Bound>,
+    /// The trained context when the file does not say (`{arch}.context_length`
+    /// absent); `None`: the key is required.
+    pub n_ctx_train_default: Option<usize>,
 }
 
 /// Every family this build runs.
-pub(crate) const FAMILIES: &[FamilyEntry] = &[llama::ENTRY, gemma3::ENTRY];
+pub(crate) const FAMILIES: &[FamilyEntry] = &[llama::ENTRY, gemma3::ENTRY, deepseek4::ENTRY];
 
 /// The GGUF architectures this build runs, in registry order.
 pub fn supported_architectures() -> impl Iterator<Item = &'static str> {

@@ -30,7 +30,7 @@ use std::io::{Read, Write};
 
 use ds4_kernels::attn::AsF32Rows;
 
-use super::SeqState;
+use super::{Codec, CodecMut, SeqState, StatePart};
 use crate::error::{EngineError, Result};
 use crate::ops::{AttnLayout, ATTN_TILE};
 use crate::payload::{self, bad};
@@ -316,6 +316,25 @@ impl SeqState for KvState {
         self.layers.iter_mut().for_each(|l| l.first = 0);
     }
 
+    fn codec(&self) -> Codec<'_> {
+        Codec::Container(self)
+    }
+
+    fn codec_mut(&mut self) -> CodecMut<'_> {
+        CodecMut::Container(self)
+    }
+
+    fn memory_bytes(&self) -> u64 {
+        let elems: usize = self.layers.iter().map(KvLayer::len_elems).sum();
+        2 * elems as u64 * self.element_bytes()
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+impl StatePart for KvState {
     fn payload_bytes(&self) -> u64 {
         let elem = self.element_bytes();
         let rows: u64 = self
@@ -422,15 +441,6 @@ impl SeqState for KvState {
         }
         let firsts = vec![0; self.layers.len()];
         self.load(len, &firsts, r)
-    }
-
-    fn memory_bytes(&self) -> u64 {
-        let elems: usize = self.layers.iter().map(KvLayer::len_elems).sum();
-        2 * elems as u64 * self.element_bytes()
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
     }
 }
 
