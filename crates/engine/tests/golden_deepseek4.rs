@@ -140,3 +140,68 @@ fn exact_long() {
     );
     assert!(r.pos_worst < 1e-3 && r.gen_worst < 1e-3 && r.greedy_same == 32);
 }
+
+fn session(precision: Precision) -> Session {
+    let opts = SessionOptions {
+        n_ctx: 4096,
+        prefill_chunk: 256,
+        precision,
+        ..Default::default()
+    };
+    Session::new(model(), Arc::new(ThreadPool::new(2)), &opts)
+}
+
+fn meta(prompt: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(strict(&format!("{prompt}.meta.json"))).unwrap())
+        .unwrap()
+}
+
+/// After prefilling a prompt, ds4's payload is the reference's session file
+/// byte for byte (frontier rows past the current window written as the
+/// reference's prefill clears them).
+#[test]
+fn payload_after_prefill_is_the_reference_session_file() {
+    for prompt in ["short", "medium"] {
+        let mut s = session(Precision::Exact);
+        s.prefill(&ids(&meta(prompt)["prompt_tokens"])).unwrap();
+        let mut ours = Vec::new();
+        s.save_payload(&mut ours).unwrap();
+        let theirs = std::fs::read(strict(&format!("{prompt}.session.bin"))).unwrap();
+        assert_eq!(ours.len(), theirs.len(), "{prompt}: payload size");
+        assert_eq!(ours.len() as u64, s.payload_bytes());
+        let first = ours.iter().zip(&theirs).position(|(a, b)| a != b);
+        assert_eq!(first, None, "{prompt}: first differing byte");
+    }
+}
+
+/// The reference's session file loads and continues as the reference did.
+#[test]
+fn reference_session_loads_and_continues() {
+    let prompt = "short";
+    let m = meta(prompt);
+    let greedy = ids(&m["greedy_tokens"]);
+    let gen = f32s(&format!("{prompt}.gen_logits.f32"));
+    let nv = model().hparams.n_vocab;
+    let mut s = session(Precision::Exact);
+    let bytes = std::fs::read(strict(&format!("{prompt}.session.bin"))).unwrap();
+    s.load_payload(&mut bytes.as_slice()).unwrap();
+    assert_eq!(s.tokens(), &ids(&m["prompt_tokens"])[..]);
+    assert_eq!(max_abs_diff(s.logits().unwrap(), &gen[..nv]), 0.0);
+    for (i, &tok) in greedy.iter().enumerate().take(31) {
+        s.decode_step(tok).unwrap();
+        assert_eq!(
+            max_abs_diff(s.logits().unwrap(), &gen[(i + 1) * nv..(i + 2) * nv]),
+            0.0,
+            "row {}",
+            i + 1
+        );
+    }
+    // And ds4's own payload of that state round-trips bitwise.
+    let mut a = Vec::new();
+    s.save_payload(&mut a).unwrap();
+    let mut t = session(Precision::Exact);
+    t.load_payload(&mut a.as_slice()).unwrap();
+    let mut b = Vec::new();
+    t.save_payload(&mut b).unwrap();
+    assert!(a == b, "payload round trip");
+}
