@@ -391,6 +391,59 @@ pub fn vec_dot_iq2_xxs_q8_K(x: &[BlockIQ2_XXS], y: &[BlockQ8_K]) -> f32 {
     0.125 * sumf
 }
 
+/// IQ2_XXS rows decoded once for many dots (a batch's tokens choosing the
+/// same expert): per super-block its `d`, per sub-block the scale `2s + 1`
+/// and the 32 signed grid values.
+#[derive(Clone, Debug, Default)]
+pub struct Iq2Decoded {
+    pub w: Vec<i8>,
+    pub ls: Vec<i16>,
+    pub d: Vec<f32>,
+}
+
+impl Iq2Decoded {
+    /// Decodes a row of blocks, replacing what was held.
+    pub fn decode(&mut self, row: &[BlockIQ2_XXS]) {
+        self.w.clear();
+        self.ls.clear();
+        self.d.clear();
+        for blk in row {
+            self.d.push(fp16_to_fp32(blk.d));
+            for ib in 0..QK_K / 32 {
+                let (a, b) = words(blk, ib);
+                self.ls.push(2 * (b >> 28) as i16 + 1);
+                for g in 0..4 {
+                    self.w.extend_from_slice(&signed_group(a, b, g));
+                }
+            }
+        }
+    }
+}
+
+/// [`vec_dot_iq2_xxs_q8_K`] of a decoded row: the same exact integer sums
+/// and float steps, so the same bits.
+///
+/// # Panics
+/// If the block counts differ.
+#[allow(non_snake_case)]
+pub fn dot_decoded_q8_K_ref(x: &Iq2Decoded, y: &[BlockQ8_K]) -> f32 {
+    assert!(
+        x.d.len() == y.len() && x.w.len() == y.len() * QK_K,
+        "dot_decoded_q8_K lengths"
+    );
+    let mut sumf = 0.0f32;
+    for (b, by) in y.iter().enumerate() {
+        let mut bsum = 0i32;
+        for (ib, q8) in by.qs.chunks_exact(32).enumerate() {
+            let w = &x.w[b * QK_K + 32 * ib..b * QK_K + 32 * (ib + 1)];
+            let sumi: i32 = w.iter().zip(q8).map(|(&w, &q)| w as i32 * q as i32).sum();
+            bsum += sumi * x.ls[8 * b + ib] as i32;
+        }
+        sumf += x.d[b] * by.d * bsum as f32;
+    }
+    0.125 * sumf
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -136,7 +136,31 @@ pub(crate) struct Kernels {
     pub(crate) dequantize_row_f16: fn(&[u8], &mut [f32]),
     /// [`bf16::dequantize_row`].
     pub(crate) dequantize_row_bf16: fn(&[u8], &mut [f32]),
+    /// [`q2_k::vec_dot_q2_K_q8_K`].
+    pub(crate) vec_dot_q2_k_q8_k: fn(&[q2_k::BlockQ2_K], &[BlockQ8_K]) -> f32,
+    /// [`iq2_xxs::vec_dot_iq2_xxs_q8_K`].
+    pub(crate) vec_dot_iq2_xxs_q8_k: fn(&[iq2_xxs::BlockIQ2_XXS], &[BlockQ8_K]) -> f32,
+    /// [`iq2_xxs::dot_decoded_q8_K_ref`].
+    pub(crate) dot_iq2_decoded_q8_k: fn(&iq2_xxs::Iq2Decoded, &[BlockQ8_K]) -> f32,
+    /// [`serial::dot_q8_0x8_f32s_ref`].
+    pub(crate) dot_q8_0x8_f32s: DotQ8_0x8Fn,
+    /// [`serial::dots_f16x8_serial_ref`].
+    pub(crate) dots_f16x8_serial: DotsF16x8Fn,
+    /// [`serial::dots8_serial_ref`].
+    pub(crate) dots8_serial: Dots8Fn,
 }
+
+/// The signature of [`serial::dot_q8_0x8_f32s_ref`].
+#[doc(hidden)]
+pub type DotQ8_0x8Fn = fn(&[u8], &[&[i8]], &[&[f32]], &mut [[f32; serial::LANES]]);
+
+/// The signature of [`serial::dots_f16x8_serial_ref`].
+#[doc(hidden)]
+pub type DotsF16x8Fn = fn(&[&[u16]], &[&[f32]], &mut [[f32; serial::LANES]]);
+
+/// The signature of [`serial::dots8_serial_ref`].
+#[doc(hidden)]
+pub type Dots8Fn = fn(&[f32], &[&[f32]], &mut [[f32; serial::LANES]]);
 
 /// The signature of [`act16::quantize_row`].
 #[doc(hidden)]
@@ -184,7 +208,23 @@ pub(crate) static SCALAR: Kernels = Kernels {
     dequantize_row_q5_0: q5_0::dequantize_row,
     dequantize_row_f16: f16::dequantize_row,
     dequantize_row_bf16: bf16::dequantize_row,
+    vec_dot_q2_k_q8_k: q2_k::vec_dot_q2_K_q8_K,
+    vec_dot_iq2_xxs_q8_k: iq2_xxs::vec_dot_iq2_xxs_q8_K,
+    dot_iq2_decoded_q8_k: iq2_xxs::dot_decoded_q8_K_ref,
+    dot_q8_0x8_f32s: serial::dot_q8_0x8_f32s_ref,
+    dots_f16x8_serial: serial::dots_f16x8_serial_ref,
+    dots8_serial: serial::dots8_serial_ref,
 };
+
+/// [`q2_k::vec_dot_q2_K_q8_K`] by the selected tier.
+pub fn vec_dot_q2_k_q8_k(x: &[q2_k::BlockQ2_K], y: &[BlockQ8_K]) -> f32 {
+    (kernels().vec_dot_q2_k_q8_k)(x, y)
+}
+
+/// [`iq2_xxs::vec_dot_iq2_xxs_q8_K`] by the selected tier.
+pub fn vec_dot_iq2_xxs_q8_k(x: &[iq2_xxs::BlockIQ2_XXS], y: &[BlockQ8_K]) -> f32 {
+    (kernels().vec_dot_iq2_xxs_q8_k)(x, y)
+}
 
 /// Every tier name, lowest first: what `DS4_KERNELS` accepts.
 const TIER_NAMES: [&str; 2] = ["scalar", "avx2"];

@@ -114,7 +114,9 @@ pub fn quantize_row_f32_scales(x: &[f32], qs: &mut [i8], d: &mut [f32]) {
         *d = amax / 127.0;
         let id = if *d != 0.0 { 1.0 / *d } else { 0.0 };
         for (q, &v) in q.iter_mut().zip(x) {
-            *q = ((v * id).round_ties_even() as i32).clamp(-128, 127) as i8;
+            // |v·id| <= 127 (plus rounding) for finite inputs, well within
+            // `nearest_int`'s range; ties to even, like `lrintf`.
+            *q = crate::nearest_int(v * id).clamp(-128, 127) as i8;
         }
     }
 }

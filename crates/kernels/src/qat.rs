@@ -41,14 +41,21 @@ fn e4m3fn_value(i: usize) -> f32 {
     }
 }
 
+/// The magnitudes of codes 0..=126, for the nearest-value search.
+fn e4m3fn_table() -> &'static [f32; 127] {
+    static T: std::sync::OnceLock<[f32; 127]> = std::sync::OnceLock::new();
+    T.get_or_init(|| std::array::from_fn(e4m3fn_value))
+}
+
 /// `x` (already clamped to ±448 by the caller's scaling) to the nearest E4M3FN value.
 fn e4m3fn_nearest(x: f32) -> f32 {
+    let value = |i: usize| e4m3fn_table()[i];
     let sign = if x < 0.0 { -1.0 } else { 1.0 };
     let ax = x.abs().min(FP8_MAX);
     let (mut lo, mut hi) = (0usize, 126usize);
     while lo < hi {
         let mid = (lo + hi + 1) >> 1;
-        if e4m3fn_value(mid) <= ax {
+        if value(mid) <= ax {
             lo = mid;
         } else {
             hi = mid - 1;
@@ -56,14 +63,14 @@ fn e4m3fn_nearest(x: f32) -> f32 {
     }
     let mut best = lo;
     if best < 126 {
-        let best_diff = (ax - e4m3fn_value(best)).abs();
-        let next_diff = (ax - e4m3fn_value(best + 1)).abs();
+        let best_diff = (ax - value(best)).abs();
+        let next_diff = (ax - value(best + 1)).abs();
         if next_diff < best_diff || (next_diff == best_diff && (best + 1) % 2 == 0 && best % 2 == 1)
         {
             best += 1;
         }
     }
-    sign * e4m3fn_value(best)
+    sign * value(best)
 }
 
 const E2M1_VALUES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
@@ -84,9 +91,13 @@ fn e2m1_nearest(x: f32) -> f32 {
     sign * E2M1_VALUES[best]
 }
 
-/// `2^k` for the exponents block scales take (exact; `ldexpf(1, k)`).
+/// `2^k` (exact; `ldexpf(1, k)`), built from its bits in the normal range.
 fn pow2(k: i32) -> f32 {
-    2f64.powi(k) as f32
+    if (-126..=127).contains(&k) {
+        f32::from_bits(((k + 127) as u32) << 23)
+    } else {
+        2f64.powi(k) as f32
+    }
 }
 
 /// One block through a scaled float format: `S = 2^ceil(log2(amax/max))`

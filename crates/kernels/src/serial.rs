@@ -1,22 +1,40 @@
 //! Matrix products whose every output is one serial sum in a reference
-//! engine's order, split over the thread pool by weight rows (each thread
-//! walks its rows once for every token): the DeepSeek V4 family's products.
-//! Each value is bitwise its scalar dot ([`q8_0::vec_dot_q8_0_f32_scales`],
-//! [`f16::dot_f16_serial`], the K-quant dots), whatever the thread count and
-//! however many tokens a call carries.
+//! engine's order: the DeepSeek V4 family's products. Each value is bitwise
+//! its scalar dot ([`q8_0::vec_dot_q8_0_f32_scales`], [`f16::dot_f16_serial`],
+//! [`crate::f32::dot_serial`], the K-quant dots) whatever the thread count,
+//! the kernel tier and the number of tokens a call carries.
+//!
+//! A serial sum cannot be split across SIMD lanes, but eight of them can run
+//! side by side, one per lane: the kernels take weights regrouped by eight
+//! rows ([`Q8_0x8`], [`F16x8`], both built once at load), or eight query
+//! heads transposed (`dots8_serial`), and keep every lane's multiplies and
+//! adds exactly the scalar's.
 //!
 //! - [`matmul_q8_0_f32s`]: Q8_0 weights against activations rounded to Q8_0
-//!   blocks with f32 scales ([`Q8Acts`]), optionally in groups (the grouped
-//!   low-rank output: row group `g` reads columns `g·n_in..` of each token).
+//!   blocks with f32 scales ([`Q8Acts`]), optionally in column groups (the
+//!   grouped low-rank output: row group `g` reads columns `g·n_in..`).
 //! - [`matmul_f16_serial`]: F16 weights against f32 activations.
 //! - [`matmul_experts`]: per (token, slot) pair the rows of the expert the
-//!   pair selected, against Q8_K activations (routed experts).
+//!   pair selected, against Q8_K activations (routed experts);
+//!   [`matmul_experts_iq2_xxs`] groups the pairs by expert and decodes each
+//!   IQ2_XXS row once for all the pairs that chose it.
+//! - [`dots8_serial`]: eight transposed vectors against up to four rows
+//!   (attention and indexer scores).
+//!
+//! Products run over the thread pool by blocks of weight rows; each thread
+//! walks its rows once for every token.
 
-use crate::f16;
+use crate::iq2_xxs::{BlockIQ2_XXS, Iq2Decoded};
 use crate::matmul::OutPtr;
 use crate::pool::ThreadPool;
 use crate::q8_0::{self, BlockQ8_0, QK8_0};
 use crate::q8_k::BlockQ8_K;
+use crate::{f16, kernels};
+
+/// Rows per group of the regrouped layouts (one per SIMD lane).
+pub const LANES: usize = 8;
+/// Bytes of one block of a [`Q8_0x8`] group: eight f16 scales, eight blocks of quants.
+pub const Q8_0X8_BLOCK: usize = LANES * 2 + LANES * QK8_0;
 
 /// Rows of activations rounded to Q8_0 blocks with f32 scales
 /// ([`q8_0::quantize_row_f32_scales`]), back to back.
@@ -40,93 +58,277 @@ impl Q8Acts {
     }
 }
 
-/// Weight rows per unit of work: enough units for the pool to balance,
-/// never more than 64 rows.
-fn rows_per_unit(pool: &ThreadPool, n_rows: usize) -> usize {
-    n_rows.div_ceil(8 * pool.n_threads()).clamp(1, 64)
+/// Q8_0 rows regrouped by eight: per group (the last padded with zero rows),
+/// per block `b`, the eight rows' f16 scales of block `b`, then their eight
+/// blocks of quants. Same bytes as the rows, streamed in the order the
+/// lanes-over-rows kernel reads them.
+#[derive(Clone, Debug)]
+pub struct Q8_0x8 {
+    data: Vec<u8>,
+    n_rows: usize,
+    nb: usize,
 }
 
-/// Calls `f(rows, out)` for blocks of consecutive weight rows over the pool;
-/// `f` writes `out[t * n_out + r]` for its rows `r` and every token `t`.
-fn over_rows(
-    pool: &ThreadPool,
-    n_out: usize,
-    out: &mut [f32],
-    f: &(dyn Fn(std::ops::Range<usize>, OutPtr) + Sync),
-) {
-    let per = rows_per_unit(pool, n_out);
-    let ptr = OutPtr(out.as_mut_ptr());
-    pool.run_dynamic(n_out.div_ceil(per), &|u| {
-        let rows = u * per..((u + 1) * per).min(n_out);
-        f(rows, ptr);
-    });
+impl Q8_0x8 {
+    /// Regroups `n_rows` rows of `nb` blocks.
+    ///
+    /// # Panics
+    /// If `rows.len() != n_rows * nb`.
+    pub fn pack(rows: &[BlockQ8_0], nb: usize) -> Self {
+        assert!(nb > 0 && rows.len().is_multiple_of(nb), "Q8_0x8 rows");
+        let n_rows = rows.len() / nb;
+        let groups = n_rows.div_ceil(LANES);
+        let mut data = vec![0u8; groups * nb * Q8_0X8_BLOCK];
+        for (r, row) in rows.chunks_exact(nb).enumerate() {
+            let (g, l) = (r / LANES, r % LANES);
+            for (b, blk) in row.iter().enumerate() {
+                let at = (g * nb + b) * Q8_0X8_BLOCK;
+                data[at + 2 * l..at + 2 * l + 2].copy_from_slice(&blk.d);
+                let q = at + 2 * LANES + QK8_0 * l;
+                data[q..q + QK8_0].copy_from_slice(bytemuck::cast_slice(&blk.qs));
+            }
+        }
+        Q8_0x8 { data, n_rows, nb }
+    }
+
+    pub fn n_rows(&self) -> usize {
+        self.n_rows
+    }
+
+    /// Blocks per row.
+    pub fn blocks(&self) -> usize {
+        self.nb
+    }
+
+    /// Group `g`: rows `8g..8g+8`.
+    pub fn group(&self, g: usize) -> &[u8] {
+        let len = self.nb * Q8_0X8_BLOCK;
+        &self.data[g * len..(g + 1) * len]
+    }
+
+    /// Memory held, in bytes.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Lane `l` of a [`Q8_0x8`] group against up to four activation rows
+/// (`qs[j]`, `d[j]`), each lane [`q8_0::vec_dot_q8_0_f32_scales`] of row `l`:
+/// the scalar reference of the tier kernel.
+pub fn dot_q8_0x8_f32s_ref(group: &[u8], qs: &[&[i8]], d: &[&[f32]], out: &mut [[f32; LANES]]) {
+    for ((qs, d), out) in qs.iter().zip(d).zip(out.iter_mut()) {
+        let nb = d.len();
+        assert!(
+            group.len() == nb * Q8_0X8_BLOCK && qs.len() == nb * QK8_0,
+            "dot_q8_0x8_f32s lengths"
+        );
+        for (l, o) in out.iter_mut().enumerate() {
+            let row: Vec<BlockQ8_0> = group
+                .chunks_exact(Q8_0X8_BLOCK)
+                .map(|blk| {
+                    let q = &blk[2 * LANES + QK8_0 * l..2 * LANES + QK8_0 * (l + 1)];
+                    BlockQ8_0 {
+                        d: [blk[2 * l], blk[2 * l + 1]],
+                        qs: std::array::from_fn(|i| q[i] as i8),
+                    }
+                })
+                .collect();
+            *o = q8_0::vec_dot_q8_0_f32_scales(&row, qs, d);
+        }
+    }
+}
+
+/// F16 rows regrouped by eight: per group (the last padded with zero rows),
+/// per column `i`, the eight rows' values at `i`.
+#[derive(Clone, Debug)]
+pub struct F16x8 {
+    data: Vec<u16>,
+    n_rows: usize,
+    n_in: usize,
+}
+
+impl F16x8 {
+    /// Regroups rows of `n_in` little-endian f16 values.
+    ///
+    /// # Panics
+    /// If `rows` is not a whole number of rows.
+    pub fn pack(rows: &[u8], n_in: usize) -> Self {
+        assert!(
+            n_in > 0 && rows.len().is_multiple_of(2 * n_in),
+            "F16x8 rows"
+        );
+        let n_rows = rows.len() / (2 * n_in);
+        let groups = n_rows.div_ceil(LANES);
+        let mut data = vec![0u16; groups * n_in * LANES];
+        for (r, row) in rows.chunks_exact(2 * n_in).enumerate() {
+            let (g, l) = (r / LANES, r % LANES);
+            for (i, v) in row.chunks_exact(2).enumerate() {
+                data[(g * n_in + i) * LANES + l] = u16::from_le_bytes([v[0], v[1]]);
+            }
+        }
+        F16x8 { data, n_rows, n_in }
+    }
+
+    pub fn n_rows(&self) -> usize {
+        self.n_rows
+    }
+
+    pub fn n_in(&self) -> usize {
+        self.n_in
+    }
+
+    /// Group `g`: rows `8g..8g+8`, `n_in x 8` values.
+    pub fn group(&self, g: usize) -> &[u16] {
+        let len = self.n_in * LANES;
+        &self.data[g * len..(g + 1) * len]
+    }
+
+    /// Memory held, in bytes.
+    pub fn bytes(&self) -> usize {
+        2 * self.data.len()
+    }
+}
+
+/// Up to four independent lanes-of-eight serial sums: chain `j` is
+/// `out[j][l] = Σ_i w[j][i·8 + l]·x[j][i]` (a running f32 sum in increasing
+/// `i`, each lane [`f16::dot_f16_serial`] of its row). The scalar reference of
+/// the tier kernel.
+pub fn dots_f16x8_serial_ref(w: &[&[u16]], x: &[&[f32]], out: &mut [[f32; LANES]]) {
+    for ((w, x), out) in w.iter().zip(x).zip(out.iter_mut()) {
+        assert_eq!(w.len(), LANES * x.len(), "dots_f16x8_serial lengths");
+        for (l, o) in out.iter_mut().enumerate() {
+            let row: Vec<u8> = (0..x.len())
+                .flat_map(|i| w[i * LANES + l].to_le_bytes())
+                .collect();
+            *o = f16::dot_f16_serial(&row, x);
+        }
+    }
+}
+
+/// [`dots_f16x8_serial_ref`] on f32 vectors: chain `j` is
+/// `out[j][l] = Σ_i a[i·8 + l]·b[j][i]` serially (eight transposed vectors,
+/// such as query heads, against up to four rows).
+pub fn dots8_serial_ref(a: &[f32], b: &[&[f32]], out: &mut [[f32; LANES]]) {
+    for (b, out) in b.iter().zip(out.iter_mut()) {
+        assert_eq!(a.len(), LANES * b.len(), "dots8_serial lengths");
+        for (l, o) in out.iter_mut().enumerate() {
+            let mut acc = 0.0f32;
+            for (i, &v) in b.iter().enumerate() {
+                acc += a[i * LANES + l] * v;
+            }
+            *o = acc;
+        }
+    }
+}
+
+/// [`dots8_serial_ref`] by the selected tier: eight transposed vectors `a`
+/// (`n x 8`) against up to four rows of `n`.
+///
+/// # Panics
+/// If the lengths disagree or more than four rows are given.
+pub fn dots8_serial(a: &[f32], b: &[&[f32]], out: &mut [[f32; LANES]]) {
+    assert!(
+        b.len() <= 4 && b.len() == out.len(),
+        "dots8_serial: 1 to 4 rows"
+    );
+    (kernels().dots8_serial)(a, b, out)
+}
+
+/// Weight rows per unit of work: enough units for the pool to balance, a
+/// multiple of 8, never more than 64.
+fn rows_per_unit(pool: &ThreadPool, n_rows: usize) -> usize {
+    n_rows
+        .div_ceil(8 * pool.n_threads())
+        .next_multiple_of(LANES)
+        .clamp(LANES, 64)
 }
 
 /// `out[t·n_out + r] = vec_dot_q8_0_f32_scales(w row r, token t's columns
-/// g·n_in..(g+1)·n_in)` where `g = r / (n_out / groups)`: rows of `n_in`
-/// (`w.len() · 32 / n_in` of them), each token's activation row
-/// `groups · n_in` long.
+/// g·n_in..(g+1)·n_in)` where `g = r / (n_out / groups)`, each token's
+/// activation row `groups · n_in` long.
 ///
 /// # Panics
-/// If the sizes disagree.
+/// If the sizes disagree, or a column group is not a whole number of eight rows.
 pub fn matmul_q8_0_f32s(
     pool: &ThreadPool,
-    w: &[BlockQ8_0],
-    n_in: usize,
+    w: &Q8_0x8,
     groups: usize,
     acts: &Q8Acts,
     out: &mut [f32],
 ) {
-    let nb = n_in / QK8_0;
-    assert!(n_in.is_multiple_of(QK8_0) && nb > 0 && w.len().is_multiple_of(nb));
-    let n_out = w.len() / nb;
+    let (nb, n_out) = (w.nb, w.n_rows);
+    let n_in = nb * QK8_0;
     let row_len = groups * n_in;
     let n_tok = acts.qs.len() / row_len;
     assert!(
         groups > 0
             && n_out.is_multiple_of(groups)
+            && (groups == 1 || (n_out / groups).is_multiple_of(LANES))
             && acts.qs.len() == n_tok * row_len
             && out.len() == n_tok * n_out,
         "matmul_q8_0_f32s sizes"
     );
     let per_group = n_out / groups;
-    over_rows(pool, n_out, out, &|rows, ptr| {
-        for r in rows {
-            let wr = &w[r * nb..(r + 1) * nb];
-            let col = (r / per_group) * n_in;
-            for t in 0..n_tok {
-                let a = t * row_len + col;
-                let v = q8_0::vec_dot_q8_0_f32_scales(
-                    wr,
-                    &acts.qs[a..a + n_in],
-                    &acts.d[a / QK8_0..(a + n_in) / QK8_0],
-                );
-                // SAFETY: row r of each token is written by this unit only, and
-                // t * n_out + r < out.len() (checked above).
-                unsafe { ptr.write(t * n_out + r, v) };
+    let dot = kernels().dot_q8_0x8_f32s;
+    let per = rows_per_unit(pool, n_out);
+    let ptr = OutPtr(out.as_mut_ptr());
+    pool.run_dynamic(n_out.div_ceil(per), &|u| {
+        for g in (u * per..((u + 1) * per).min(n_out)).step_by(LANES) {
+            let wg = w.group(g / LANES);
+            let col = (g / per_group) * n_in;
+            // Four tokens at a time share each load of the group's weights.
+            for t0 in (0..n_tok).step_by(4) {
+                let tn = (n_tok - t0).min(4);
+                let at = |t: usize| t * row_len + col;
+                let qs: Vec<&[i8]> = (t0..t0 + tn)
+                    .map(|t| &acts.qs[at(t)..at(t) + n_in])
+                    .collect();
+                let d: Vec<&[f32]> = (t0..t0 + tn)
+                    .map(|t| &acts.d[at(t) / QK8_0..(at(t) + n_in) / QK8_0])
+                    .collect();
+                let mut v = [[0.0f32; LANES]; 4];
+                dot(wg, &qs, &d, &mut v[..tn]);
+                for (j, v) in v[..tn].iter().enumerate() {
+                    for (l, &x) in v.iter().enumerate().take(n_out - g) {
+                        // SAFETY: rows g..g+8 of each token are written by this unit
+                        // only, and (t0 + j) * n_out + g + l < out.len() (checked above).
+                        unsafe { ptr.write((t0 + j) * n_out + g + l, x) };
+                    }
+                }
             }
         }
     });
 }
 
-/// `out[t·n_out + r] = dot_f16_serial(w row r, x row t)`: F16 rows of `n_in`
-/// (little-endian bytes), f32 activation rows of `n_in`.
+/// `out[t·n_out + r] = dot_f16_serial(w row r, x row t)`.
 ///
 /// # Panics
 /// If the sizes disagree.
-pub fn matmul_f16_serial(pool: &ThreadPool, w: &[u8], n_in: usize, x: &[f32], out: &mut [f32]) {
-    let row_bytes = 2 * n_in;
-    assert!(n_in > 0 && w.len().is_multiple_of(row_bytes) && x.len().is_multiple_of(n_in));
-    let n_out = w.len() / row_bytes;
+pub fn matmul_f16_serial(pool: &ThreadPool, w: &F16x8, x: &[f32], out: &mut [f32]) {
+    let (n_in, n_out) = (w.n_in, w.n_rows);
+    assert!(x.len().is_multiple_of(n_in), "matmul_f16_serial input");
     let n_tok = x.len() / n_in;
     assert_eq!(out.len(), n_tok * n_out, "matmul_f16_serial output");
-    over_rows(pool, n_out, out, &|rows, ptr| {
-        for r in rows {
-            let wr = &w[r * row_bytes..(r + 1) * row_bytes];
-            for (t, xt) in x.chunks_exact(n_in).enumerate() {
-                let v = f16::dot_f16_serial(wr, xt);
-                // SAFETY: as in `matmul_q8_0_f32s`.
-                unsafe { ptr.write(t * n_out + r, v) };
+    let dots = kernels().dots_f16x8_serial;
+    let per = rows_per_unit(pool, n_out);
+    let ptr = OutPtr(out.as_mut_ptr());
+    pool.run_dynamic(n_out.div_ceil(per), &|u| {
+        for g in (u * per..((u + 1) * per).min(n_out)).step_by(LANES) {
+            let wg = w.group(g / LANES);
+            // Four tokens at a time: four independent chains against one group.
+            for t0 in (0..n_tok).step_by(4) {
+                let tn = (n_tok - t0).min(4);
+                let xs: Vec<&[f32]> = (t0..t0 + tn)
+                    .map(|t| &x[t * n_in..(t + 1) * n_in])
+                    .collect();
+                let mut v = [[0.0f32; LANES]; 4];
+                dots(&vec![wg; tn], &xs, &mut v[..tn]);
+                for (j, v) in v[..tn].iter().enumerate() {
+                    for (l, &x) in v.iter().enumerate().take(n_out - g) {
+                        // SAFETY: as in `matmul_q8_0_f32s`.
+                        unsafe { ptr.write((t0 + j) * n_out + g + l, x) };
+                    }
+                }
             }
         }
     });
@@ -173,6 +375,64 @@ pub fn matmul_experts<B: Sync>(
             let w = &exps[e * per_expert + r * blocks..e * per_expert + (r + 1) * blocks];
             // SAFETY: (pair, row) is written by this unit only, within `out`.
             unsafe { ptr.write(p * rows + r, dot(w, a)) };
+        }
+    });
+}
+
+/// [`matmul_experts`] for IQ2_XXS experts, the same values: the pairs are
+/// grouped by expert, and a row of an expert several pairs chose is decoded
+/// once ([`Iq2Decoded`]) for all of them (a prefill chunk's tokens share
+/// experts: 256 tokens on 16 experts put about 96 pairs on each).
+///
+/// # Panics
+/// As [`matmul_experts`].
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_experts_iq2_xxs(
+    pool: &ThreadPool,
+    exps: &[BlockIQ2_XXS],
+    rows: usize,
+    blocks: usize,
+    sel: &[u32],
+    acts: &[BlockQ8_K],
+    acts_per: usize,
+    out: &mut [f32],
+) {
+    let n_pairs = sel.len();
+    let per_expert = rows * blocks;
+    let n_exp = exps.len() / per_expert.max(1);
+    assert!(
+        blocks > 0
+            && exps.len() == n_exp * per_expert
+            && acts.len() == n_pairs.div_ceil(acts_per) * blocks
+            && out.len() == n_pairs * rows
+            && sel.iter().all(|&e| (e as usize) < n_exp),
+        "matmul_experts_iq2_xxs sizes"
+    );
+    let mut pairs: Vec<Vec<usize>> = vec![Vec::new(); n_exp];
+    for (p, &e) in sel.iter().enumerate() {
+        pairs[e as usize].push(p);
+    }
+    let used: Vec<usize> = (0..n_exp).filter(|&e| !pairs[e].is_empty()).collect();
+    let per = rows_per_unit(pool, rows * used.len()).min(rows);
+    let units_per_expert = rows.div_ceil(per);
+    let (k, ptr) = (kernels(), OutPtr(out.as_mut_ptr()));
+    pool.run_dynamic(used.len() * units_per_expert, &|u| {
+        let e = used[u / units_per_expert];
+        let b = u % units_per_expert;
+        let mut dec = Iq2Decoded::default();
+        for r in b * per..((b + 1) * per).min(rows) {
+            let w = &exps[e * per_expert + r * blocks..e * per_expert + (r + 1) * blocks];
+            let act = |p: usize| &acts[(p / acts_per) * blocks..(p / acts_per + 1) * blocks];
+            if let [p] = pairs[e][..] {
+                // SAFETY: (pair, row) is written by this unit only, within `out`.
+                unsafe { ptr.write(p * rows + r, (k.vec_dot_iq2_xxs_q8_k)(w, act(p))) };
+                continue;
+            }
+            dec.decode(w);
+            for &p in &pairs[e] {
+                // SAFETY: as above.
+                unsafe { ptr.write(p * rows + r, (k.dot_iq2_decoded_q8_k)(&dec, act(p))) };
+            }
         }
     });
 }

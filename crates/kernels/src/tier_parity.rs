@@ -1411,3 +1411,152 @@ fn q4_0_q5_0_f16_bf16_dequantizers_are_bit_identical_on_every_tier() {
         }
     }
 }
+
+/// DeepSeek V4's expert dots: Q2_K and IQ2_XXS blocks of random bytes (any
+/// scales) against Q8_K activations as the quantizer makes them (quants in
+/// ±127; `sign_epi8` cannot negate -128) and raw ones for Q2_K.
+#[test]
+fn deepseek4_expert_dots_are_bit_identical_on_every_tier() {
+    use crate::iq2_xxs::{self, BlockIQ2_XXS};
+    use crate::q2_k::{self, BlockQ2_K};
+    use crate::q8_k::{self, BlockQ8_K};
+    use crate::QK_K;
+    let mut rng = XorShift::new(191);
+    for nb in [1, 2, 3, 8, 16] {
+        for how in [Scales::AnyFinite, Scales::Typical] {
+            let w2: Vec<BlockQ2_K> = (0..nb)
+                .map(|_| {
+                    let mut b = BlockQ2_K::zeroed();
+                    b.scales.iter_mut().for_each(|v| *v = rng.byte());
+                    b.qs.iter_mut().for_each(|v| *v = rng.byte());
+                    (b.d, b.dmin) = (scale(&mut rng, how), scale(&mut rng, how));
+                    b
+                })
+                .collect();
+            let wi: Vec<BlockIQ2_XXS> = (0..nb)
+                .map(|_| {
+                    let mut b = BlockIQ2_XXS::zeroed();
+                    b.qs.iter_mut().for_each(|v| *v = rng.byte());
+                    b.d = scale(&mut rng, how);
+                    b
+                })
+                .collect();
+            let mut y = vec![BlockQ8_K::ZERO; nb];
+            q8_k::quantize_row_ref(&activations(&mut rng, nb * QK_K), &mut y);
+            let mut raw = y.clone();
+            for b in &mut raw {
+                b.qs.iter_mut().for_each(|q| *q = rng.byte() as i8);
+                for (s, q) in b.bsums.iter_mut().zip(b.qs.chunks_exact(16)) {
+                    *s = q.iter().map(|&q| i16::from(q)).sum();
+                }
+            }
+            for k in available_tiers() {
+                let case = format!("[{}] {nb} blocks, {how:?}", k.tier);
+                for y in [&y, &raw] {
+                    let (got, want) = (
+                        (k.vec_dot_q2_k_q8_k)(&w2, y),
+                        q2_k::vec_dot_q2_K_q8_K(&w2, y),
+                    );
+                    assert!(same_bits(got, want), "q2_K dot {case}: {got} vs {want}");
+                }
+                let (got, want) = (
+                    (k.vec_dot_iq2_xxs_q8_k)(&wi, &y),
+                    iq2_xxs::vec_dot_iq2_xxs_q8_K(&wi, &y),
+                );
+                assert!(same_bits(got, want), "iq2_xxs dot {case}: {got} vs {want}");
+                let mut dec = iq2_xxs::Iq2Decoded::default();
+                dec.decode(&wi);
+                let got = (k.dot_iq2_decoded_q8_k)(&dec, &y);
+                assert!(
+                    same_bits(got, want),
+                    "iq2_xxs decoded dot {case}: {got} vs {want}"
+                );
+            }
+        }
+    }
+}
+
+/// The lanes-over-rows serial sums of DeepSeek V4: every lane bitwise the
+/// scalar sum of its row (Q8_0 rows of random bytes, -128 included, against
+/// f32-scale activations; f16 rows of finite values; f32 vectors), every
+/// chain count, lengths around the 8-wide steps.
+#[test]
+fn deepseek4_serial_sums_are_bit_identical_on_every_tier() {
+    use crate::f16::{dot_f16_serial, fp32_to_fp16};
+    use crate::serial::{F16x8, Q8_0x8, LANES};
+    let mut rng = XorShift::new(192);
+    for nb in [1, 2, 5, 32] {
+        for n_rows in [8, 13] {
+            let rows: Vec<BlockQ8_0> = random_blocks(&mut rng, n_rows * nb, 1, Scales::AnyFinite);
+            let packed = Q8_0x8::pack(&rows, nb);
+            let acts: Vec<(Vec<i8>, Vec<f32>)> = (0..4)
+                .map(|_| {
+                    let x = activations(&mut rng, nb * QK8_0);
+                    let (mut qs, mut d) = (vec![0i8; nb * QK8_0], vec![0.0f32; nb]);
+                    q8_0::quantize_row_f32_scales(&x, &mut qs, &mut d);
+                    (qs, d)
+                })
+                .collect();
+            for k in available_tiers() {
+                for n in 1..=4 {
+                    let qs: Vec<&[i8]> = acts[..n].iter().map(|a| &a.0[..]).collect();
+                    let d: Vec<&[f32]> = acts[..n].iter().map(|a| &a.1[..]).collect();
+                    for g in 0..n_rows.div_ceil(LANES) {
+                        let mut got = vec![[f32::NAN; LANES]; n];
+                        (k.dot_q8_0x8_f32s)(packed.group(g), &qs, &d, &mut got);
+                        for (j, got) in got.iter().enumerate() {
+                            for (l, &v) in got.iter().enumerate().take(n_rows - 8 * g) {
+                                let r = 8 * g + l;
+                                let want = q8_0::vec_dot_q8_0_f32_scales(
+                                    &rows[r * nb..(r + 1) * nb],
+                                    qs[j],
+                                    d[j],
+                                );
+                                assert!(
+                                    same_bits(v, want),
+                                    "q8_0x8 [{}] nb {nb} row {r} act {j}",
+                                    k.tier
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for n in [1, 7, 8, 9, 256, 1025] {
+        let rows: Vec<u8> = (0..13 * n)
+            .flat_map(|_| fp32_to_fp16(rng.uniform(-2.0, 2.0)))
+            .collect();
+        let packed = F16x8::pack(&rows, n);
+        let xs: Vec<Vec<f32>> = (0..4).map(|_| activations(&mut rng, n)).collect();
+        let a = activations(&mut rng, LANES * n);
+        for k in available_tiers() {
+            for chains in 1..=4 {
+                let x: Vec<&[f32]> = xs[..chains].iter().map(|v| &v[..]).collect();
+                for g in 0..2 {
+                    let mut got = vec![[f32::NAN; LANES]; chains];
+                    (k.dots_f16x8_serial)(&vec![packed.group(g); chains], &x, &mut got);
+                    for (j, got) in got.iter().enumerate() {
+                        for (l, &v) in got.iter().enumerate().take(13 - 8 * g) {
+                            let r = 8 * g + l;
+                            let want = dot_f16_serial(&rows[2 * n * r..2 * n * (r + 1)], x[j]);
+                            assert!(
+                                same_bits(v, want),
+                                "f16x8 [{}] n {n} chain {j} row {r}",
+                                k.tier
+                            );
+                        }
+                    }
+                }
+                let mut got = vec![[f32::NAN; LANES]; chains];
+                (k.dots8_serial)(&a, &x, &mut got);
+                let mut want = vec![[0.0; LANES]; chains];
+                crate::serial::dots8_serial_ref(&a, &x, &mut want);
+                for (g, w) in got.iter().zip(&want) {
+                    assert_eq!(bits(g), bits(w), "dots8 [{}] n {n} chains {chains}", k.tier);
+                }
+            }
+        }
+    }
+}

@@ -43,13 +43,16 @@ use std::ops::Range;
 
 use ds4_gguf::{GgmlType, Gguf};
 use ds4_kernels::f16::{fp16_to_fp32, fp32_to_fp16};
-use ds4_kernels::f32::dot_serial;
-use ds4_kernels::iq2_xxs::{self, BlockIQ2_XXS};
+use ds4_kernels::iq2_xxs::BlockIQ2_XXS;
 use ds4_kernels::pool::ThreadPool;
-use ds4_kernels::q2_k::{self, BlockQ2_K};
-use ds4_kernels::q8_0::BlockQ8_0;
+use ds4_kernels::q2_k::BlockQ2_K;
+use ds4_kernels::q8_0::QK8_0;
 use ds4_kernels::q8_k::{self, BlockQ8_K};
 use ds4_kernels::qat;
+use ds4_kernels::serial::{
+    dots8_serial, matmul_experts, matmul_experts_iq2_xxs, matmul_f16_serial, matmul_q8_0_f32s,
+    F16x8, Q8Acts, Q8_0x8, LANES,
+};
 use ds4_kernels::QK_K;
 
 use super::{state_of, Bound, Family, FamilyEntry, LogitsOut, Scratch, SeqStep};
@@ -226,6 +229,14 @@ impl Dims {
             "hash layers within the model, a window and a top-k".into(),
         )?;
         need(
+            self.n_head.is_multiple_of(LANES) && self.n_index_head.is_multiple_of(LANES),
+            "attention.head_count",
+            format!(
+                "{} heads and {} indexer heads: multiples of {LANES} (the kernels run eight heads side by side)",
+                self.n_head, self.n_index_head
+            ),
+        )?;
+        need(
             self.n_index_head > 0 && self.sinkhorn_iters > 0,
             "attention.indexer.head_count",
             "indexer heads and Sinkhorn rounds".into(),
@@ -392,7 +403,7 @@ fn round16(x: &mut [f32]) {
 /// One hyper-connection control: `fn` (F16, `HC_MIX` rows of `N_HC·n_embd`),
 /// the three scales (pre, post, combine) and the 24 biases.
 struct HcWeights {
-    fn_: Range<usize>,
+    fn_: F16x8,
     scale: [f32; 3],
     base: Vec<f32>,
 }
@@ -402,8 +413,8 @@ struct HcWeights {
 /// the RMSNorm of the pooled row.
 struct Compressor {
     ape: Range<usize>,
-    kv: Range<usize>,
-    gate: Range<usize>,
+    kv: F16x8,
+    gate: F16x8,
     norm: Vec<f32>,
     /// Width of the emitted rows (head dim, or the indexer's 128).
     dim: usize,
@@ -411,9 +422,9 @@ struct Compressor {
 
 struct Indexer {
     /// F16, `n_index_head·128` rows of `n_lora_q`.
-    q_b: Range<usize>,
+    q_b: F16x8,
     /// F16, `n_index_head` rows of `n_embd`.
-    proj: Range<usize>,
+    proj: F16x8,
     comp: Compressor,
 }
 
@@ -422,24 +433,24 @@ struct LayerWeights {
     hc_attn: HcWeights,
     attn_norm: Vec<f32>,
     /// Q8_0: `n_lora_q` rows of `n_embd`.
-    q_a: Range<usize>,
+    q_a: Q8_0x8,
     q_a_norm: Vec<f32>,
     /// Q8_0: `n_head·head_dim` rows of `n_lora_q`.
-    q_b: Range<usize>,
+    q_b: Q8_0x8,
     /// Q8_0: `head_dim` rows of `n_embd`.
-    kv: Range<usize>,
+    kv: Q8_0x8,
     kv_norm: Vec<f32>,
     sinks: Vec<f32>,
     /// Q8_0: `n_out_group·n_lora_o` rows of one group's heads.
-    out_a: Range<usize>,
+    out_a: Q8_0x8,
     /// Q8_0: `n_embd` rows of `n_out_group·n_lora_o`.
-    out_b: Range<usize>,
+    out_b: Q8_0x8,
     comp: Option<Compressor>,
     index: Option<Indexer>,
     hc_ffn: HcWeights,
     ffn_norm: Vec<f32>,
     /// F16 router: `n_expert` rows of `n_embd`.
-    gate_inp: Range<usize>,
+    gate_inp: F16x8,
     /// Added to the scores for the choice only.
     probs_bias: Option<Vec<f32>>,
     /// IQ2_XXS, per expert `n_ff_exp` rows of `n_embd`.
@@ -448,9 +459,9 @@ struct LayerWeights {
     /// Q2_K, per expert `n_embd` rows of `n_ff_exp`.
     down_exps: Range<usize>,
     /// Q8_0 shared expert.
-    sh_gate: Range<usize>,
-    sh_up: Range<usize>,
-    sh_down: Range<usize>,
+    sh_gate: Q8_0x8,
+    sh_up: Q8_0x8,
+    sh_down: Q8_0x8,
     /// Hash routing: the experts of each token id.
     tid2eid: Option<Vec<u32>>,
 }
@@ -458,12 +469,12 @@ struct LayerWeights {
 pub(crate) struct DeepSeek4 {
     d: Dims,
     tok_embd: Range<usize>,
-    out_hc_fn: Range<usize>,
+    out_hc_fn: F16x8,
     out_hc_scale: f32,
     out_hc_base: Vec<f32>,
     output_norm: Vec<f32>,
     /// Q8_0: `n_vocab` rows of `n_embd`.
-    output: Range<usize>,
+    output: Q8_0x8,
     layers: Vec<LayerWeights>,
     /// RoPE of the dense layers and of the compressed ones.
     rope_dense: TailRope,
@@ -486,23 +497,35 @@ impl DeepSeek4 {
             ],
         );
         let mut b = Binder::new(g);
+        // Matrices are regrouped for the lanes-over-rows kernels once; their
+        // mapped pages then leave the resident set.
+        let q8 = |b: &mut Binder<'_>, name: &str, n_in: usize, n_out: usize| -> Result<Q8_0x8> {
+            let r = b.tensor(name, &[n_in, n_out], GgmlType::Q8_0)?;
+            let packed = Q8_0x8::pack(blocks(&g.bytes()[r.clone()]), n_in / QK8_0);
+            g.evict(r);
+            Ok(packed)
+        };
+        let f16 = |b: &mut Binder<'_>, name: &str, n_in: usize, n_out: usize| -> Result<F16x8> {
+            let r = b.tensor(name, &[n_in, n_out], GgmlType::F16)?;
+            let packed = F16x8::pack(&g.bytes()[r.clone()], n_in);
+            g.evict(r);
+            Ok(packed)
+        };
         let (e, hd) = (d.n_embd, d.head_dim);
         let hc_dim = N_HC * e;
-        let q8 = GgmlType::Q8_0;
-        let f16 = GgmlType::F16;
-        let tok_embd = b.tensor("token_embd.weight", &[e, d.n_vocab], f16)?;
+        let tok_embd = b.tensor("token_embd.weight", &[e, d.n_vocab], GgmlType::F16)?;
         let out_hc_base = b.f32_vector("output_hc_base.weight", N_HC)?;
-        let out_hc_fn = b.tensor("output_hc_fn.weight", &[hc_dim, N_HC], f16)?;
+        let out_hc_fn = f16(&mut b, "output_hc_fn.weight", hc_dim, N_HC)?;
         let out_hc_scale = b.f32_vector("output_hc_scale.weight", 1)?[0];
         let output_norm = b.f32_vector("output_norm.weight", e)?;
-        let output = b.tensor("output.weight", &[e, d.n_vocab], q8)?;
+        let output = q8(&mut b, "output.weight", e, d.n_vocab)?;
         let mut layers = Vec::with_capacity(hp.n_layer);
         for (il, &ratio) in d.ratios.iter().enumerate() {
             let n = |s: &str| format!("blk.{il}.{s}");
             let hc = |b: &mut Binder<'_>, which: &str| -> Result<HcWeights> {
                 let scale = b.f32_vector(&n(&format!("hc_{which}_scale.weight")), 3)?;
                 Ok(HcWeights {
-                    fn_: b.tensor(&n(&format!("hc_{which}_fn.weight")), &[hc_dim, HC_MIX], f16)?,
+                    fn_: f16(b, &n(&format!("hc_{which}_fn.weight")), hc_dim, HC_MIX)?,
                     scale: [scale[0], scale[1], scale[2]],
                     base: b.f32_vector(&n(&format!("hc_{which}_base.weight")), HC_MIX)?,
                 })
@@ -514,51 +537,45 @@ impl DeepSeek4 {
                     ape: b.tensor(
                         &n(&format!("{prefix}_ape.weight")),
                         &[coff * dim, ratio],
-                        f16,
+                        GgmlType::F16,
                     )?,
-                    kv: b.tensor(&n(&format!("{prefix}_kv.weight")), &[e, coff * dim], f16)?,
-                    gate: b.tensor(&n(&format!("{prefix}_gate.weight")), &[e, coff * dim], f16)?,
+                    kv: f16(b, &n(&format!("{prefix}_kv.weight")), e, coff * dim)?,
+                    gate: f16(b, &n(&format!("{prefix}_gate.weight")), e, coff * dim)?,
                     norm: b.f32_vector(&n(&format!("{prefix}_norm.weight")), dim)?,
                     dim,
                 })
             };
             let group_in = hd * (d.n_head / d.n_out_group);
             let attn_norm = b.f32_vector(&n("attn_norm.weight"), e)?;
-            let q_a = b.tensor(&n("attn_q_a.weight"), &[e, d.n_lora_q], q8)?;
+            let q_a = q8(&mut b, &n("attn_q_a.weight"), e, d.n_lora_q)?;
             let q_a_norm = b.f32_vector(&n("attn_q_a_norm.weight"), d.n_lora_q)?;
-            let q_b = b.tensor(&n("attn_q_b.weight"), &[d.n_lora_q, d.n_head * hd], q8)?;
-            let kv = b.tensor(&n("attn_kv.weight"), &[e, hd], q8)?;
+            let q_b = q8(&mut b, &n("attn_q_b.weight"), d.n_lora_q, d.n_head * hd)?;
+            let kv = q8(&mut b, &n("attn_kv.weight"), e, hd)?;
             let kv_norm = b.f32_vector(&n("attn_kv_a_norm.weight"), hd)?;
             let sinks = b.f32_vector(&n("attn_sinks.weight"), d.n_head)?;
-            let out_a = b.tensor(
-                &n("attn_output_a.weight"),
-                &[group_in, d.n_out_group * d.n_lora_o],
-                q8,
-            )?;
-            let out_b = b.tensor(
-                &n("attn_output_b.weight"),
-                &[d.n_out_group * d.n_lora_o, e],
-                q8,
-            )?;
+            let n_low = d.n_out_group * d.n_lora_o;
+            let out_a = q8(&mut b, &n("attn_output_a.weight"), group_in, n_low)?;
+            let out_b = q8(&mut b, &n("attn_output_b.weight"), n_low, e)?;
             let comp = (ratio != 0)
                 .then(|| compressor(&mut b, "attn_compressor", hd))
                 .transpose()?;
             let index = (ratio == 4)
                 .then(|| -> Result<Indexer> {
                     Ok(Indexer {
-                        q_b: b.tensor(
+                        q_b: f16(
+                            &mut b,
                             &n("indexer.attn_q_b.weight"),
-                            &[d.n_lora_q, d.n_index_head * INDEX_DIM],
-                            f16,
+                            d.n_lora_q,
+                            d.n_index_head * INDEX_DIM,
                         )?,
-                        proj: b.tensor(&n("indexer.proj.weight"), &[e, d.n_index_head], f16)?,
+                        proj: f16(&mut b, &n("indexer.proj.weight"), e, d.n_index_head)?,
                         comp: compressor(&mut b, "indexer_compressor", INDEX_DIM)?,
                     })
                 })
                 .transpose()?;
             let hc_ffn = hc(&mut b, "ffn")?;
             let ffn_norm = b.f32_vector(&n("ffn_norm.weight"), e)?;
-            let gate_inp = b.tensor(&n("ffn_gate_inp.weight"), &[e, d.n_expert], f16)?;
+            let gate_inp = f16(&mut b, &n("ffn_gate_inp.weight"), e, d.n_expert)?;
             // Hash-routed layers never use a selection bias, even where the file has one.
             let probs_bias = b
                 .has(&n("exp_probs_b.bias"))
@@ -573,9 +590,9 @@ impl DeepSeek4 {
                 &[d.n_ff_exp, e, d.n_expert],
                 GgmlType::Q2_K,
             )?;
-            let sh_gate = b.tensor(&n("ffn_gate_shexp.weight"), &[e, d.n_ff_exp], q8)?;
-            let sh_up = b.tensor(&n("ffn_up_shexp.weight"), &[e, d.n_ff_exp], q8)?;
-            let sh_down = b.tensor(&n("ffn_down_shexp.weight"), &[d.n_ff_exp, e], q8)?;
+            let sh_gate = q8(&mut b, &n("ffn_gate_shexp.weight"), e, d.n_ff_exp)?;
+            let sh_up = q8(&mut b, &n("ffn_up_shexp.weight"), e, d.n_ff_exp)?;
+            let sh_down = q8(&mut b, &n("ffn_down_shexp.weight"), d.n_ff_exp, e)?;
             let tid2eid = (il < d.n_hash_layer)
                 .then(|| -> Result<Vec<u32>> {
                     let name = n("ffn_gate_tid2eid.weight");
@@ -699,7 +716,7 @@ struct Rows {
     sh_gate: Vec<f32>,
     sh_up: Vec<f32>,
     sh_out: Vec<f32>,
-    acts: ds4_kernels::serial::Q8Acts,
+    acts: Q8Acts,
     /// Logits of the rows asked for, before they are handed out.
     logits: Vec<f32>,
 }
@@ -894,7 +911,7 @@ impl Family for DeepSeek4 {
             let n = s.tokens.len();
             state_of::<CompressedState>(&mut *s.state).advance(n);
         }
-        self.output_head(bytes, pool, r, seqs);
+        self.output_head(pool, r, seqs);
     }
 }
 
@@ -930,15 +947,7 @@ impl DeepSeek4 {
 
     /// HC pre of every row (`hc_pre_from_state_one`): `r.cur` gets the sublayer
     /// input, `r.ctl` the split controls; then `r.norm` its RMSNorm with `norm_w`.
-    fn hc_pre(
-        &self,
-        bytes: &[u8],
-        pool: &ThreadPool,
-        w: &HcWeights,
-        norm_w: &[f32],
-        nt: usize,
-        r: &mut Rows,
-    ) {
+    fn hc_pre(&self, pool: &ThreadPool, w: &HcWeights, norm_w: &[f32], nt: usize, r: &mut Rows) {
         let (e, eps) = (self.d.n_embd, self.d.rms_eps);
         let hc_dim = N_HC * e;
         let hc = &r.hc[..nt * hc_dim];
@@ -948,10 +957,9 @@ impl DeepSeek4 {
                 rms_norm(&hc[t * hc_dim..(t + 1) * hc_dim], None, eps, row);
             }
         });
-        ds4_kernels::serial::matmul_f16_serial(
+        matmul_f16_serial(
             pool,
-            &bytes[w.fn_.clone()],
-            hc_dim,
+            &w.fn_,
             &r.flat[..nt * hc_dim],
             &mut r.ctl[..nt * HC_MIX],
         );
@@ -998,26 +1006,18 @@ impl DeepSeek4 {
         std::mem::swap(&mut r.hc, &mut r.hc_next);
     }
 
-    /// `out = W·x` for Q8_0 `W` (rows of `n_in`, in `groups` column groups)
-    /// with `x` rounded to Q8_0 blocks with f32 scales.
+    /// `out = W·x` for Q8_0 `W` (in `groups` column groups) with `x` rounded
+    /// to Q8_0 blocks with f32 scales.
     fn q8_matmul(
         pool: &ThreadPool,
-        acts: &mut ds4_kernels::serial::Q8Acts,
-        w: &[u8],
-        n_in: usize,
+        acts: &mut Q8Acts,
+        w: &Q8_0x8,
         groups: usize,
         x: &[f32],
         out: &mut [f32],
     ) {
         acts.quantize(x);
-        ds4_kernels::serial::matmul_q8_0_f32s(
-            pool,
-            blocks::<BlockQ8_0>(w),
-            n_in,
-            groups,
-            acts,
-            out,
-        );
+        matmul_q8_0_f32s(pool, w, groups, acts, out);
     }
 
     fn rope_of(&self, ratio: usize) -> &TailRope {
@@ -1043,14 +1043,13 @@ impl DeepSeek4 {
         let d = &self.d;
         let (e, hd, eps) = (d.n_embd, d.head_dim, d.rms_eps);
         let q_dim = d.n_head * hd;
-        self.hc_pre(bytes, pool, &lw.hc_attn, &lw.attn_norm, nt, r);
+        self.hc_pre(pool, &lw.hc_attn, &lw.attn_norm, nt, r);
         let norm = &r.norm[..nt * e];
         // Low-rank queries, one RMSNorm per head.
         Self::q8_matmul(
             pool,
             &mut r.acts,
-            &bytes[lw.q_a.clone()],
-            e,
+            &lw.q_a,
             1,
             norm,
             &mut r.qa[..nt * d.n_lora_q],
@@ -1064,8 +1063,7 @@ impl DeepSeek4 {
         Self::q8_matmul(
             pool,
             &mut r.acts,
-            &bytes[lw.q_b.clone()],
-            d.n_lora_q,
+            &lw.q_b,
             1,
             &r.qn[..nt * d.n_lora_q],
             &mut r.q[..nt * q_dim],
@@ -1077,15 +1075,7 @@ impl DeepSeek4 {
             }
         });
         // The K/V row.
-        Self::q8_matmul(
-            pool,
-            &mut r.acts,
-            &bytes[lw.kv.clone()],
-            e,
-            1,
-            norm,
-            &mut r.kv_raw[..nt * hd],
-        );
+        Self::q8_matmul(pool, &mut r.acts, &lw.kv, 1, norm, &mut r.kv_raw[..nt * hd]);
         for (raw, kv) in r.kv_raw[..nt * hd]
             .chunks_exact(hd)
             .zip(r.kv.chunks_exact_mut(hd))
@@ -1113,37 +1103,13 @@ impl DeepSeek4 {
         // Compressor projections of every row, then the state token by token.
         if let Some(c) = &lw.comp {
             let width = if lw.ratio == 4 { 2 * c.dim } else { c.dim };
-            ds4_kernels::serial::matmul_f16_serial(
-                pool,
-                &bytes[c.kv.clone()],
-                e,
-                norm,
-                &mut r.ckv[..nt * width],
-            );
-            ds4_kernels::serial::matmul_f16_serial(
-                pool,
-                &bytes[c.gate.clone()],
-                e,
-                norm,
-                &mut r.csc[..nt * width],
-            );
+            matmul_f16_serial(pool, &c.kv, norm, &mut r.ckv[..nt * width]);
+            matmul_f16_serial(pool, &c.gate, norm, &mut r.csc[..nt * width]);
         }
         if let Some(ix) = &lw.index {
             let width = 2 * INDEX_DIM;
-            ds4_kernels::serial::matmul_f16_serial(
-                pool,
-                &bytes[ix.comp.kv.clone()],
-                e,
-                norm,
-                &mut r.ikv[..nt * width],
-            );
-            ds4_kernels::serial::matmul_f16_serial(
-                pool,
-                &bytes[ix.comp.gate.clone()],
-                e,
-                norm,
-                &mut r.isc[..nt * width],
-            );
+            matmul_f16_serial(pool, &ix.comp.kv, norm, &mut r.ikv[..nt * width]);
+            matmul_f16_serial(pool, &ix.comp.gate, norm, &mut r.isc[..nt * width]);
         }
         let mut t = 0;
         for s in seqs.iter_mut() {
@@ -1167,9 +1133,10 @@ impl DeepSeek4 {
             }
         }
         if let Some(ix) = &lw.index {
-            self.indexer(bytes, pool, ix, nt, r, seqs, il);
+            self.indexer(pool, ix, nt, r, seqs, il);
         }
-        // Attention of every (row, head) over the state as it stood at that row.
+        // Attention of every row's heads, eight at a time, over the state as it
+        // stood at that row.
         let mut t0 = 0;
         for s in seqs.iter_mut() {
             let n = s.tokens.len();
@@ -1178,9 +1145,10 @@ impl DeepSeek4 {
             let l = &*st.layer_mut(il);
             let (q, pos, n_comp, visible) = (&r.q, &r.pos, &r.n_comp, &r.visible);
             let heads = &mut r.heads[t0 * q_dim..(t0 + n) * q_dim];
-            pool.for_each_row_block_mut(heads, hd, &|first, rows| {
-                for (i, out) in rows.chunks_exact_mut(hd).enumerate() {
-                    let (t, h) = (t0 + (first + i) / d.n_head, (first + i) % d.n_head);
+            let groups = d.n_head / LANES;
+            pool.for_each_row_block_mut(heads, LANES * hd, &|first, rows| {
+                for (i, out) in rows.chunks_exact_mut(LANES * hd).enumerate() {
+                    let (t, h) = (t0 + (first + i) / groups, LANES * ((first + i) % groups));
                     let rows_seen = RowsSeen {
                         raw: &l.raw,
                         raw_rows,
@@ -1189,9 +1157,9 @@ impl DeepSeek4 {
                         visible: (lw.ratio == 4 && n_comp[t] > d.index_top_k)
                             .then(|| &visible[t][..]),
                     };
-                    self.attend_head(
-                        &q[t * q_dim + h * hd..t * q_dim + (h + 1) * hd],
-                        lw.sinks[h],
+                    self.attend_heads8(
+                        &q[t * q_dim + h * hd..t * q_dim + (h + LANES) * hd],
+                        &lw.sinks[h..h + LANES],
                         pos[t],
                         &rows_seen,
                         out,
@@ -1208,13 +1176,11 @@ impl DeepSeek4 {
             }
         });
         // Grouped low-rank output.
-        let group_in = hd * (d.n_head / d.n_out_group);
         let n_low = d.n_out_group * d.n_lora_o;
         Self::q8_matmul(
             pool,
             &mut r.acts,
-            &bytes[lw.out_a.clone()],
-            group_in,
+            &lw.out_a,
             d.n_out_group,
             &r.heads[..nt * q_dim],
             &mut r.low[..nt * n_low],
@@ -1222,8 +1188,7 @@ impl DeepSeek4 {
         Self::q8_matmul(
             pool,
             &mut r.acts,
-            &bytes[lw.out_b.clone()],
-            n_low,
+            &lw.out_b,
             1,
             &r.low[..nt * n_low],
             &mut r.attn_out[..nt * e],
@@ -1362,7 +1327,6 @@ impl DeepSeek4 {
     #[allow(clippy::too_many_arguments)]
     fn indexer(
         &self,
-        bytes: &[u8],
         pool: &ThreadPool,
         ix: &Indexer,
         nt: usize,
@@ -1376,17 +1340,15 @@ impl DeepSeek4 {
             return;
         }
         let iq_dim = ih * INDEX_DIM;
-        ds4_kernels::serial::matmul_f16_serial(
+        matmul_f16_serial(
             pool,
-            &bytes[ix.q_b.clone()],
-            d.n_lora_q,
+            &ix.q_b,
             &r.qn[..nt * d.n_lora_q],
             &mut r.iq[..nt * iq_dim],
         );
-        ds4_kernels::serial::matmul_f16_serial(
+        matmul_f16_serial(
             pool,
-            &bytes[ix.proj.clone()],
-            d.n_embd,
+            &ix.proj,
             &r.norm[..nt * d.n_embd],
             &mut r.iw[..nt * ih],
         );
@@ -1411,12 +1373,31 @@ impl DeepSeek4 {
                     .iter()
                     .map(|&v| v * scale)
                     .collect();
-                let scores: Vec<f32> = l.index[..n_comp * INDEX_DIM]
-                    .chunks_exact(INDEX_DIM)
-                    .map(|k| {
+                // dots[c * ih + h] = k_c · q_h, eight heads side by side.
+                let mut dots = vec![0.0f32; n_comp * ih];
+                for g in 0..ih / LANES {
+                    let q_t = transpose8(
+                        &q[g * LANES * INDEX_DIM..(g + 1) * LANES * INDEX_DIM],
+                        INDEX_DIM,
+                    );
+                    let keys: Vec<&[f32]> = l.index[..n_comp * INDEX_DIM]
+                        .chunks_exact(INDEX_DIM)
+                        .collect();
+                    for (c0, keys) in (0..).step_by(4).zip(keys.chunks(4)) {
+                        let mut v = [[0.0f32; LANES]; 4];
+                        dots8_serial(&q_t, keys, &mut v[..keys.len()]);
+                        for (j, v) in v[..keys.len()].iter().enumerate() {
+                            dots[(c0 + j) * ih + g * LANES..(c0 + j) * ih + (g + 1) * LANES]
+                                .copy_from_slice(v);
+                        }
+                    }
+                }
+                let scores: Vec<f32> = dots
+                    .chunks_exact(ih)
+                    .map(|dh| {
                         let mut s = 0.0f32;
-                        for (qh, &wh) in q.chunks_exact(INDEX_DIM).zip(&w) {
-                            s += dot_serial(k, qh).max(0.0) * wh;
+                        for (&dot, &wh) in dh.iter().zip(&w) {
+                            s += if dot < 0.0 { 0.0 } else { dot } * wh;
                         }
                         s
                     })
@@ -1441,10 +1422,19 @@ impl DeepSeek4 {
         }
     }
 
-    /// One head's attention (`layer_attention_mixed_one`): scores of the raw
+    /// Eight heads' attention (`layer_attention_mixed_one`): scores of the raw
     /// window (oldest first) then of the visible compressed rows, the sink in
-    /// the denominator only, values summed in that order.
-    fn attend_head(&self, q: &[f32], sink: f32, pos: usize, seen: &RowsSeen<'_>, out: &mut [f32]) {
+    /// the denominator only, values summed in that order. `q` and `out` hold
+    /// the eight heads back to back; their scores run as eight serial sums
+    /// side by side ([`dots8_serial`]).
+    fn attend_heads8(
+        &self,
+        q: &[f32],
+        sinks: &[f32],
+        pos: usize,
+        seen: &RowsSeen<'_>,
+        out: &mut [f32],
+    ) {
         let hd = self.d.head_dim;
         let kq_scale = 1.0 / (hd as f32).sqrt();
         let first = (pos + 1).saturating_sub(self.d.window);
@@ -1453,28 +1443,58 @@ impl DeepSeek4 {
             &seen.raw[row * hd..(row + 1) * hd]
         };
         let comp = |c: usize| &seen.comp[c * hd..(c + 1) * hd];
-        let comp_rows: Vec<usize> = match seen.visible {
-            Some(v) => v.iter().map(|&c| c as usize).collect(),
-            None => (0..seen.n_comp).collect(),
+        let rows: Vec<&[f32]> = match seen.visible {
+            Some(v) => (first..=pos)
+                .map(raw)
+                .chain(v.iter().map(|&c| comp(c as usize)))
+                .collect(),
+            None => (first..=pos)
+                .map(raw)
+                .chain((0..seen.n_comp).map(comp))
+                .collect(),
         };
-        let rows: Vec<&[f32]> = (first..=pos)
-            .map(raw)
-            .chain(comp_rows.into_iter().map(comp))
-            .collect();
-        let scores: Vec<f32> = rows.iter().map(|k| dot_serial(q, k) * kq_scale).collect();
-        let max = scores.iter().fold(sink, |m, &s| if s > m { s } else { m });
-        out.fill(0.0);
-        let mut denom = (sink - max).exp();
-        for (k, &s) in rows.iter().zip(&scores) {
-            let w = (s - max).exp();
-            denom += w;
-            for (o, &v) in out.iter_mut().zip(k.iter()) {
-                *o += w * v;
+        let q_t = transpose8(q, hd);
+        // scores[k * 8 + h]
+        let mut scores = vec![0.0f32; rows.len() * LANES];
+        for (keys, sc) in rows.chunks(4).zip(scores.chunks_mut(4 * LANES)) {
+            let mut v = [[0.0f32; LANES]; 4];
+            dots8_serial(&q_t, keys, &mut v[..keys.len()]);
+            for (s, v) in sc.chunks_exact_mut(LANES).zip(&v) {
+                for (s, &v) in s.iter_mut().zip(v) {
+                    *s = v * kq_scale;
+                }
             }
         }
-        let inv = 1.0 / denom;
-        out.iter_mut().for_each(|o| *o *= inv);
+        for (h, out) in out.chunks_exact_mut(hd).enumerate() {
+            let sink = sinks[h];
+            let max = scores
+                .chunks_exact(LANES)
+                .fold(sink, |m, s| if s[h] > m { s[h] } else { m });
+            out.fill(0.0);
+            let mut denom = (sink - max).exp();
+            for (k, s) in rows.iter().zip(scores.chunks_exact(LANES)) {
+                let w = (s[h] - max).exp();
+                denom += w;
+                for (o, &v) in out.iter_mut().zip(k.iter()) {
+                    *o += w * v;
+                }
+            }
+            let inv = 1.0 / denom;
+            out.iter_mut().for_each(|o| *o *= inv);
+        }
     }
+}
+
+/// Eight `n`-long vectors (back to back) transposed: element `i` of vector
+/// `l` at `i·8 + l`, the lanes layout of [`dots8_serial`].
+fn transpose8(v: &[f32], n: usize) -> Vec<f32> {
+    let mut t = vec![0.0f32; LANES * n];
+    for (l, row) in v.chunks_exact(n).enumerate() {
+        for (i, &x) in row.iter().enumerate() {
+            t[i * LANES + l] = x;
+        }
+    }
+    t
 }
 
 impl DeepSeek4 {
@@ -1482,16 +1502,10 @@ impl DeepSeek4 {
     fn ffn(&self, bytes: &[u8], pool: &ThreadPool, lw: &LayerWeights, nt: usize, r: &mut Rows) {
         let d = &self.d;
         let (e, k, ff) = (d.n_embd, d.n_expert_used, d.n_ff_exp);
-        self.hc_pre(bytes, pool, &lw.hc_ffn, &lw.ffn_norm, nt, r);
+        self.hc_pre(pool, &lw.hc_ffn, &lw.ffn_norm, nt, r);
         let norm = &r.norm[..nt * e];
         // Router: sqrt(softplus(logit)); hash-routed layers take the token's table row.
-        ds4_kernels::serial::matmul_f16_serial(
-            pool,
-            &bytes[lw.gate_inp.clone()],
-            e,
-            norm,
-            &mut r.router[..nt * d.n_expert],
-        );
+        matmul_f16_serial(pool, &lw.gate_inp, norm, &mut r.router[..nt * d.n_expert]);
         for t in 0..nt {
             let probs: Vec<f32> = r.router[t * d.n_expert..(t + 1) * d.n_expert]
                 .iter()
@@ -1529,29 +1543,9 @@ impl DeepSeek4 {
         let (sel, xq) = (&r.sel[..nt * k], &r.xq[..nt * nb]);
         let gate_exps = blocks::<BlockIQ2_XXS>(&bytes[lw.gate_exps.clone()]);
         let up_exps = blocks::<BlockIQ2_XXS>(&bytes[lw.up_exps.clone()]);
-        let dot_iq2 = iq2_xxs::vec_dot_iq2_xxs_q8_K;
-        ds4_kernels::serial::matmul_experts(
-            pool,
-            gate_exps,
-            ff,
-            nb,
-            sel,
-            xq,
-            k,
-            dot_iq2,
-            &mut r.gate[..nt * k * ff],
-        );
-        ds4_kernels::serial::matmul_experts(
-            pool,
-            up_exps,
-            ff,
-            nb,
-            sel,
-            xq,
-            k,
-            dot_iq2,
-            &mut r.up[..nt * k * ff],
-        );
+        for (exps, out) in [(gate_exps, &mut r.gate), (up_exps, &mut r.up)] {
+            matmul_experts_iq2_xxs(pool, exps, ff, nb, sel, xq, k, &mut out[..nt * k * ff]);
+        }
         let clamp = d.swiglu_clamp;
         let weight = &r.weight[..nt * k];
         let up = &r.up[..nt * k * ff];
@@ -1571,7 +1565,7 @@ impl DeepSeek4 {
         let nb_ff = ff / QK_K;
         q8_k::quantize_row_ref(&r.gate[..nt * k * ff], &mut r.midq[..nt * k * nb_ff]);
         let down_exps = blocks::<BlockQ2_K>(&bytes[lw.down_exps.clone()]);
-        ds4_kernels::serial::matmul_experts(
+        matmul_experts(
             pool,
             down_exps,
             e,
@@ -1579,7 +1573,7 @@ impl DeepSeek4 {
             sel,
             &r.midq[..nt * k * nb_ff],
             1,
-            q2_k::vec_dot_q2_K_q8_K,
+            ds4_kernels::vec_dot_q2_k_q8_k,
             &mut r.down[..nt * k * e],
         );
         for (moe, down) in r.moe[..nt * e]
@@ -1599,28 +1593,19 @@ impl DeepSeek4 {
         Self::q8_matmul(
             pool,
             &mut r.acts,
-            &bytes[lw.sh_gate.clone()],
-            e,
+            &lw.sh_gate,
             1,
             norm,
             &mut r.sh_gate[..nt * ff],
         );
-        ds4_kernels::serial::matmul_q8_0_f32s(
-            pool,
-            blocks::<BlockQ8_0>(&bytes[lw.sh_up.clone()]),
-            e,
-            1,
-            &r.acts,
-            &mut r.sh_up[..nt * ff],
-        );
+        matmul_q8_0_f32s(pool, &lw.sh_up, 1, &r.acts, &mut r.sh_up[..nt * ff]);
         for (g, &u) in r.sh_gate[..nt * ff].iter_mut().zip(&r.sh_up[..nt * ff]) {
             *g = silu(*g) * u;
         }
         Self::q8_matmul(
             pool,
             &mut r.acts,
-            &bytes[lw.sh_down.clone()],
-            ff,
+            &lw.sh_down,
             1,
             &r.sh_gate[..nt * ff],
             &mut r.sh_out[..nt * e],
@@ -1635,7 +1620,7 @@ impl DeepSeek4 {
 
     /// The output head for the rows each sequence wants logits for: the HC
     /// streams reduced by sigmoid weights, RMSNorm, the Q8_0 projection.
-    fn output_head(&self, bytes: &[u8], pool: &ThreadPool, r: &mut Rows, seqs: &mut [SeqStep<'_>]) {
+    fn output_head(&self, pool: &ThreadPool, r: &mut Rows, seqs: &mut [SeqStep<'_>]) {
         let d = &self.d;
         let (e, eps) = (d.n_embd, d.rms_eps);
         let hc_dim = N_HC * e;
@@ -1659,13 +1644,7 @@ impl DeepSeek4 {
             );
         }
         let mut pre = vec![0.0f32; nw * N_HC];
-        ds4_kernels::serial::matmul_f16_serial(
-            pool,
-            &bytes[self.out_hc_fn.clone()],
-            hc_dim,
-            &r.flat[..nw * hc_dim],
-            &mut pre,
-        );
+        matmul_f16_serial(pool, &self.out_hc_fn, &r.flat[..nw * hc_dim], &mut pre);
         for (i, &t) in wanted.iter().enumerate() {
             let w: Vec<f32> = pre[i * N_HC..(i + 1) * N_HC]
                 .iter()
@@ -1689,8 +1668,7 @@ impl DeepSeek4 {
         Self::q8_matmul(
             pool,
             &mut r.acts,
-            &bytes[self.output.clone()],
-            e,
+            &self.output,
             1,
             &r.norm[..nw * e],
             &mut r.logits,

@@ -38,6 +38,7 @@ use crate::q8_k::BlockQ8_K;
 use crate::Kernels;
 
 mod kquants;
+mod serial;
 
 /// The AVX2 tier.
 pub(super) static KERNELS: Kernels = Kernels {
@@ -72,7 +73,79 @@ pub(super) static KERNELS: Kernels = Kernels {
     dequantize_row_q5_0,
     dequantize_row_f16,
     dequantize_row_bf16,
+    vec_dot_q2_k_q8_k,
+    vec_dot_iq2_xxs_q8_k,
+    dot_iq2_decoded_q8_k,
+    dot_q8_0x8_f32s,
+    dots_f16x8_serial,
+    dots8_serial,
 };
+
+fn vec_dot_q2_k_q8_k(x: &[crate::q2_k::BlockQ2_K], y: &[BlockQ8_K]) -> f32 {
+    assert_eq!(x.len(), y.len(), "vec_dot_q2_K_q8_K block counts");
+    // SAFETY: see above.
+    unsafe { kquants::dot_q2_k_q8_k(x, y) }
+}
+
+fn vec_dot_iq2_xxs_q8_k(x: &[crate::iq2_xxs::BlockIQ2_XXS], y: &[BlockQ8_K]) -> f32 {
+    assert_eq!(x.len(), y.len(), "vec_dot_iq2_xxs_q8_K block counts");
+    // SAFETY: see above.
+    unsafe { kquants::dot_iq2_xxs_q8_k(x, y) }
+}
+
+fn dot_iq2_decoded_q8_k(x: &crate::iq2_xxs::Iq2Decoded, y: &[BlockQ8_K]) -> f32 {
+    assert!(
+        x.d.len() == y.len() && x.w.len() == y.len() * crate::QK_K && x.ls.len() == 8 * y.len(),
+        "dot_decoded_q8_K lengths"
+    );
+    // SAFETY: see above.
+    unsafe { kquants::dot_iq2_decoded_q8_k(x, y) }
+}
+
+fn dot_q8_0x8_f32s(
+    group: &[u8],
+    qs: &[&[i8]],
+    d: &[&[f32]],
+    out: &mut [[f32; crate::serial::LANES]],
+) {
+    let nb = group.len() / crate::serial::Q8_0X8_BLOCK;
+    assert!(
+        qs.len() <= 4
+            && d.len() == qs.len()
+            && out.len() == qs.len()
+            && group.len() == nb * crate::serial::Q8_0X8_BLOCK
+            && qs
+                .iter()
+                .zip(d)
+                .all(|(q, d)| q.len() == nb * QK8_0 && d.len() == nb),
+        "dot_q8_0x8_f32s lengths"
+    );
+    // SAFETY: see above.
+    unsafe { serial::dot_q8_0x8_f32s(group, qs, d, out) }
+}
+
+fn dots_f16x8_serial(w: &[&[u16]], x: &[&[f32]], out: &mut [[f32; crate::serial::LANES]]) {
+    assert!(
+        x.len() <= 4
+            && w.len() == x.len()
+            && out.len() == x.len()
+            && w.iter().zip(x).all(|(w, xi)| w.len() == crate::serial::LANES * xi.len() && xi.len() == x[0].len()),
+        "dots_f16x8_serial lengths"
+    );
+    // SAFETY: see above.
+    unsafe { serial::dots_f16x8_serial(w, x, out) }
+}
+
+fn dots8_serial(a: &[f32], b: &[&[f32]], out: &mut [[f32; crate::serial::LANES]]) {
+    assert!(
+        b.len() <= 4
+            && out.len() == b.len()
+            && b.iter().all(|b| a.len() == crate::serial::LANES * b.len()),
+        "dots8_serial lengths"
+    );
+    // SAFETY: see above.
+    unsafe { serial::dots8_serial(a, b, out) }
+}
 
 // Table entries: the length checks the scalar references make, then the call.
 // SAFETY (every `unsafe` call below): `KERNELS` is only reachable through

@@ -1,6 +1,8 @@
 //! AVX2 versions of the K-quant kernels (Q4_K, Q6_K): dequantization and the
 //! dot products against Q8_K activations, bit-identical to the scalar
-//! references in [`crate::q4_k`] and [`crate::q6_k`].
+//! references in [`crate::q4_k`] and [`crate::q6_k`]; and the Q2_K and
+//! IQ2_XXS dots of DeepSeek V4's routed experts ([`crate::q2_k`],
+//! [`crate::iq2_xxs`]).
 //!
 //! The dot products keep the references' eight integer lanes, lane `l` summing
 //! the elements `i ≡ l (mod 8)` of a super-block: 16 products of 4- or 6-bit
@@ -11,7 +13,9 @@
 
 use std::arch::x86_64::*;
 
-use super::{f16x2_to_f32, split_nibbles, store_f32x8, widen8};
+use super::{bytes_from_bits, f16x2_to_f32, split_nibbles, store_f32x8, widen8};
+use crate::iq2_xxs::{words, BlockIQ2_XXS, Iq2Decoded, IQ2XXS_GRID, KSIGNS_IQ2XS};
+use crate::q2_k::BlockQ2_K;
 use crate::q4_k::{get_scale_min_k4, BlockQ4_K};
 use crate::q6_k::BlockQ6_K;
 use crate::q8_k::BlockQ8_K;
@@ -220,4 +224,105 @@ pub(super) fn dot_q6_k_q8_k(x: &[BlockQ6_K], y: &[BlockQ8_K]) -> f32 {
         sumf += s;
     }
     sumf
+}
+
+/// [`crate::q2_k::vec_dot_q2_K_q8_K`]: per 32 quants (two sub-blocks) one
+/// `maddubs` of the 2-bit values against the activations (|pair| <= 2·3·128)
+/// and one `madd` with the two sub-block scales, summed in i32 (exact); the
+/// min term and the float step are the reference's.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_q2_k_q8_k(x: &[BlockQ2_K], y: &[BlockQ8_K]) -> f32 {
+    let m3 = _mm256_set1_epi8(3);
+    let mut sumf = 0.0f32;
+    for (bx, by) in x.iter().zip(y) {
+        let summs: i32 = by
+            .bsums
+            .iter()
+            .zip(&bx.scales)
+            .map(|(&s, &sc)| s as i32 * (sc >> 4) as i32)
+            .sum();
+        let mut acc = _mm256_setzero_si256();
+        for h in 0..2 {
+            let q = load32(&bx.qs[32 * h..32 * (h + 1)]);
+            for k in 0..4 {
+                let qk = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * k as i32)), m3);
+                let at = 128 * h + 32 * k;
+                let y8 = load32(&by.qs[at..at + 32]);
+                let s0 = (bx.scales[at / 16] & 0xF) as i16;
+                let s1 = (bx.scales[at / 16 + 1] & 0xF) as i16;
+                let sc = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(qk, y8), sc));
+            }
+        }
+        let mut lanes = [0i32; 8];
+        // SAFETY: `lanes` is 32 writable bytes; `storeu` has no alignment requirement.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc) };
+        let isum: i32 = lanes.iter().sum();
+        let dall = by.d * crate::f16::fp16_to_fp32(bx.d);
+        let dmin = by.d * crate::f16::fp16_to_fp32(bx.dmin);
+        sumf += dall * isum as f32 - dmin * summs as f32;
+    }
+    sumf
+}
+
+/// [`crate::iq2_xxs::vec_dot_iq2_xxs_q8_K`]: per sub-block the 32 grid bytes
+/// (unsigned, <= 43) against the activations with the pattern's signs applied
+/// (`sign_epi8`), one `maddubs` (|pair| <= 2·43·127) and one `madd`, times the
+/// sub-block scale `2s + 1`, summed in i32 (exact); the float step is the
+/// reference's.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_iq2_xxs_q8_k(x: &[BlockIQ2_XXS], y: &[BlockQ8_K]) -> f32 {
+    let ones = _mm256_set1_epi16(1);
+    let one8 = _mm256_set1_epi8(1);
+    let mut sumf = 0.0f32;
+    for (bx, by) in x.iter().zip(y) {
+        let mut acc = _mm256_setzero_si256();
+        for ib in 0..8 {
+            let (a, b) = words(bx, ib);
+            let g = |k: u32| IQ2XXS_GRID[((a >> (8 * k)) & 0xFF) as usize] as i64;
+            let grid = _mm256_set_epi64x(g(3), g(2), g(1), g(0));
+            let signs = u32::from_le_bytes(std::array::from_fn(|k| {
+                KSIGNS_IQ2XS[((b >> (7 * k)) & 127) as usize]
+            }));
+            let sign = _mm256_or_si256(bytes_from_bits(signs), one8);
+            let y8 = _mm256_sign_epi8(load32(&by.qs[32 * ib..32 * (ib + 1)]), sign);
+            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(grid, y8), ones);
+            let ls = _mm256_set1_epi32(2 * (b >> 28) as i32 + 1);
+            acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(p, ls));
+        }
+        let mut lanes = [0i32; 8];
+        // SAFETY: `lanes` is 32 writable bytes; `storeu` has no alignment requirement.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc) };
+        let bsum: i32 = lanes.iter().sum();
+        let d = crate::f16::fp16_to_fp32(bx.d) * by.d;
+        sumf += d * bsum as f32;
+    }
+    0.125 * sumf
+}
+
+/// [`crate::iq2_xxs::dot_decoded_q8_K_ref`]: per sub-block one `maddubs` of
+/// `|w|` (<= 43) against the activations signed by `w` and one `madd` with
+/// the sub-block scale, summed in i32 (exact).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dot_iq2_decoded_q8_k(x: &Iq2Decoded, y: &[BlockQ8_K]) -> f32 {
+    let mut sumf = 0.0f32;
+    for (b, by) in y.iter().enumerate() {
+        let mut acc = _mm256_setzero_si256();
+        for ib in 0..8 {
+            let at = b * QK_K + 32 * ib;
+            let w = load32(&x.w[at..at + 32]);
+            let y8 = load32(&by.qs[32 * ib..32 * (ib + 1)]);
+            let prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(y8, w));
+            acc = _mm256_add_epi32(
+                acc,
+                _mm256_madd_epi16(prod, _mm256_set1_epi16(x.ls[8 * b + ib])),
+            );
+        }
+        let mut lanes = [0i32; 8];
+        // SAFETY: `lanes` is 32 writable bytes; `storeu` has no alignment requirement.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc) };
+        let bsum: i32 = lanes.iter().sum();
+        sumf += x.d[b] * by.d * bsum as f32;
+    }
+    0.125 * sumf
 }
