@@ -1,11 +1,16 @@
-//! The deepseek4 family against the original engine (antirez/ds4, CPU path,
-//! strict build) on the tiny synthetic model: `tests/vectors/ds4-tiny/strict/`.
+//! The deepseek4 family on the tiny synthetic model, against the original
+//! engine (antirez/ds4, CPU path, strict build; `tests/vectors/ds4-tiny/strict/`):
+//! every position's and every greedy step's logits, the session file it
+//! writes after a prefill, its session file loaded and continued; and the
+//! compressed state's own rules (cutting back only within the current
+//! compression window, damaged payloads refused whole). The family-wide
+//! state and batch tests (`session_state.rs`, `batch.rs`) run it too.
 
 use std::sync::{Arc, OnceLock};
 
 use ds4_engine::ops::Precision;
 use ds4_engine::ThreadPool;
-use ds4_engine::{Model, Session, SessionOptions};
+use ds4_engine::{EngineError, Model, Session, SessionOptions};
 use serde_json::Value;
 
 fn model() -> Arc<Model> {
@@ -251,4 +256,90 @@ fn bench_long_prefill() {
             16.0 / t.elapsed().as_secs_f64()
         );
     }
+}
+
+fn bits(s: &Session) -> Vec<u32> {
+    s.logits().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+/// A cut back lands only within the current ratio-4 window (the last
+/// boundary and later); there it is exact, further back it is refused and
+/// the session is unchanged.
+#[test]
+fn rewind_within_the_compression_window_only() {
+    let p = ids(&meta("long")["prompt_tokens"]);
+    let mut s = session(Precision::Exact);
+    s.prefill(&p[..150]).unwrap();
+    let at_150 = bits(&s);
+    // The last boundary is 148: tokens 148 and 149 sit in the current window.
+    for n in [150, 149] {
+        assert!(s.can_rewind(n), "{n}");
+    }
+    for n in [148, 147, 100] {
+        assert!(!s.can_rewind(n), "{n}");
+        let e = s.rewind(n).unwrap_err();
+        assert!(
+            matches!(e, EngineError::CannotCutBack { to, len: 150 } if to == n),
+            "{e}"
+        );
+        assert_eq!(s.tokens().len(), 150);
+        assert!(bits(&s) == at_150, "a refused rewind changes nothing");
+    }
+    s.rewind(149).unwrap();
+    let mut fresh = session(Precision::Exact);
+    fresh.prefill(&p[..149]).unwrap();
+    assert!(bits(&s) == bits(&fresh), "rewind to 149");
+    let mut a = Vec::new();
+    let mut b = Vec::new();
+    s.save_payload(&mut a).unwrap();
+    fresh.save_payload(&mut b).unwrap();
+    assert!(
+        a == b,
+        "the rewound state is the fresh one, payload bytes included"
+    );
+    assert!(s.can_rewind(0));
+    s.rewind(0).unwrap();
+    assert!(s.tokens().is_empty());
+}
+
+/// Every header word changed, every truncation at a field boundary, and a
+/// trailing byte: refused, the session left empty.
+#[test]
+fn damaged_dsv4_payloads_are_rejected_and_leave_the_session_empty() {
+    let p = ids(&meta("short")["prompt_tokens"]);
+    let mut a = session(Precision::Exact);
+    a.prefill(&p).unwrap();
+    let mut good = Vec::new();
+    a.save_payload(&mut good).unwrap();
+    let mut s = session(Precision::Exact);
+    let mut try_load = |bytes: &[u8], what: &str| {
+        s.prefill(&p[..3]).unwrap();
+        let e = s.load_payload(&mut &bytes[..]);
+        assert!(e.is_err(), "{what}: loaded");
+        assert!(
+            s.tokens().is_empty() && s.logits().is_err(),
+            "{what}: not empty"
+        );
+    };
+    // Header words other than the prefill cap (the writer's chunking) and the
+    // raw cap (the writer's ring, larger on the GPU paths).
+    for word in (0..13).filter(|&w| w != 3 && w != 4) {
+        let mut bad = good.clone();
+        bad[4 * word] ^= 1;
+        try_load(&bad, &format!("header word {word}"));
+    }
+    // A compressed row count that its token count does not imply.
+    let n = p.len();
+    let counts = 52 + 4 * n + 4 * 512;
+    let mut bad = good.clone();
+    bad[counts + 4 * 2] ^= 1;
+    try_load(&bad, "row count");
+    for cut in [0, 51, 52 + 4, counts, counts + 47, good.len() - 1] {
+        try_load(&good[..cut], &format!("truncated at {cut}"));
+    }
+    let mut long = good.clone();
+    long.push(0);
+    try_load(&long, "trailing byte");
+    s.load_payload(&mut good.as_slice()).unwrap();
+    assert!(bits(&s) == bits(&a));
 }
