@@ -107,7 +107,8 @@ impl ThinkRequest<'_> {
 }
 
 const THINK_OPEN: &str = "<think>";
-const THINK_CLOSE: &str = "</think>";
+/// Closes the reasoning block.
+pub const THINK_CLOSE: &str = "</think>";
 
 /// Generated text the splitter is sure of.
 #[derive(Clone, Debug, PartialEq, Eq)]

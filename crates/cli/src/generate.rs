@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use ds4_chat::{ChatMl, Message, RenderOptions, Role, Template};
+use ds4_chat::{Message, RenderOptions, Role};
 use ds4_engine::sampler::{argmax, log_softmax, top_k};
 use ds4_engine::tokenizer::StreamDecoder;
 use ds4_engine::{
@@ -372,10 +372,8 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
         model, mut session, ..
     } = load(&a.model)?;
     let tok = &model.tokenizer;
-    let template = model
-        .chat_template()
-        .and_then(ChatMl::from_template)
-        .context("this model has no ChatML chat template; `ds4 chat` supports ChatML models (use `ds4 run` for raw prompts)")?;
+    let template = ds4_server::template_for(&model)
+        .context("this model has no chat template ds4 renders (ChatML, or its family's own); use `ds4 run` for raw prompts")?;
     let mut persist = a.kv.open(None)?.map(|store| Persist::new(store, &session));
     let mut sampler = Sampler::new(a.sampling.config());
     let system = match (&a.system, &a.system_file) {

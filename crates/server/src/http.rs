@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use ds4_chat::tools::ToolParser;
-use ds4_chat::{ChatMl, RenderOptions, Template, ThinkMode};
+use ds4_chat::{ChatMl, DeepSeek, RenderOptions, Template, ThinkMode};
 use ds4_engine::Model;
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
@@ -78,6 +78,19 @@ pub(crate) struct AppState {
     normalizer: Normalizer,
 }
 
+/// The chat template a model is served with: its family's own where the family
+/// has one (DeepSeek V4), else the GGUF's `chat_template` when it is ChatML;
+/// `None` when neither (completions only).
+pub fn template_for(model: &Model) -> Option<Box<dyn Template>> {
+    match model.family_name() {
+        "deepseek4" => Some(Box::new(DeepSeek)),
+        _ => model
+            .chat_template()
+            .and_then(ChatMl::from_template)
+            .map(|t| Box::new(t) as Box<dyn Template>),
+    }
+}
+
 /// Builds the router over a running worker of `model`; `tool_memory` is shared
 /// with the worker's checkpoints. Fails only on an invalid normalisation pattern.
 pub fn router(
@@ -89,10 +102,7 @@ pub fn router(
     trace: Option<Arc<Trace>>,
 ) -> Result<Router, regex::Error> {
     let max_body = cfg.max_body_bytes;
-    let template = model
-        .chat_template()
-        .and_then(ChatMl::from_template)
-        .map(|t| Box::new(t) as Box<dyn Template>);
+    let template = template_for(&model);
     // A finished grammar must end the turn: the template's end-of-turn token,
     // or the vocabulary's end of text for raw completions.
     let end_of_turn = template
@@ -361,10 +371,17 @@ pub(crate) fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'stati
         },
     );
     let syntax = t.tool_syntax();
+    // A forced call in thinking mode comes after an empty reasoning block: a
+    // call inside the reasoning would never be read.
     let forced = if tools.is_empty() {
         None
     } else {
-        syntax.forced_prefix(&p.agent.tool_choice)
+        syntax
+            .forced_prefix(&p.agent.tool_choice)
+            .map(|f| match think.is_thinking() {
+                true => format!("{}{f}", ds4_chat::think::THINK_CLOSE),
+                false => f,
+            })
     };
     // A breakpoint is the end of its message: where rendering the conversation up
     // to it ends, when that is a prefix of the prompt (append-only templates).

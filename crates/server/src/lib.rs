@@ -18,7 +18,7 @@ pub mod worker;
 
 use std::future::Future;
 
-pub use http::{router, ServerConfig};
+pub use http::{router, template_for, ServerConfig};
 pub use worker::{CacheSource, Worker, WorkerHandle};
 
 /// Serves `app` on `listener` until `shutdown` resolves, then stops accepting and

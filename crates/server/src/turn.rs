@@ -70,19 +70,20 @@ impl Shaper {
         forced: Option<&str>,
         id_prefix: &'static str,
     ) -> Self {
-        let mut tools = tools;
-        if let (Some(p), Some(f)) = (&mut tools, forced) {
-            // An opening can't complete a call, so nothing comes out of it.
-            p.push(f);
-        }
-        Shaper {
+        let mut shaper = Shaper {
             think: think.is_thinking().then(|| ThinkSplitter::new(think)),
             tools,
             id_prefix,
             calls: vec![],
             text: String::new(),
             malformed: None,
+        };
+        if let Some(f) = forced {
+            // Prompt text, not output: an opening (after an empty reasoning
+            // block in thinking mode) can't complete a call, so nothing is shown.
+            shaper.push(f);
         }
+        shaper
     }
 
     /// A shaper that passes text through (raw completions).

@@ -129,6 +129,114 @@ impl ToolSyntax for Dsml {
     fn parser(&self, _tools: &[ToolSpec]) -> Box<dyn ToolParser> {
         Box::new(DsmlParser::default())
     }
+
+    fn call_trigger(&self) -> Option<&'static str> {
+        Some(CANONICAL.open)
+    }
+
+    /// The canonical block (§7.3), continuing what precedes the grammar: after
+    /// the trigger (`Auto`: the model opened the block itself) the first
+    /// invoke's newline; after the `Required` prefix a tool's name; after the
+    /// `Named` prefix that tool's parameters. Each invoke holds the tool's
+    /// schema properties in order (the required ones always, the others
+    /// optionally): strings as raw text without `<` (one of an `enum`'s
+    /// values when it has one; `string="true"`), other values as JSON to
+    /// their schema (`string="false"`); then more invokes when `parallel`,
+    /// and the close. A free string has no length bound: the model ends it.
+    fn call_grammar(
+        &self,
+        tools: &[ToolSpec],
+        choice: &ToolChoice,
+        parallel: bool,
+    ) -> Option<String> {
+        let chosen: Vec<&ToolSpec> = match choice {
+            ToolChoice::None => return None,
+            ToolChoice::Named(n) => tools.iter().filter(|t| &t.name == n).collect(),
+            ToolChoice::Auto | ToolChoice::Required => tools.iter().collect(),
+        };
+        if chosen.is_empty() {
+            return None;
+        }
+        let tags = CANONICAL;
+        let end_invoke = lark_literal(&format!("{}\n", tags.invoke_close));
+        let close = lark_literal(tags.close);
+        let more = if parallel { " invoke*" } else { "" };
+        let mut g = match choice {
+            ToolChoice::Named(_) => format!("start: params_0 {end_invoke}{more} {close}\n"),
+            ToolChoice::Required => format!("start: named {end_invoke}{more} {close}\n"),
+            _ => format!(
+                "start: \"\\n\" invoke{} {close}\n",
+                if parallel { "+" } else { "" }
+            ),
+        };
+        let names: Vec<String> = (0..chosen.len()).map(|i| format!("named_{i}")).collect();
+        g.push_str(&format!("named: {}\n", names.join(" | ")));
+        let open_invoke = lark_literal(&format!("{} name=\"", tags.invoke));
+        g.push_str(&format!("invoke: {open_invoke} named {end_invoke}\n"));
+        for (i, tool) in chosen.iter().enumerate() {
+            let name = lark_literal(&format!("{}\">\n", escape_attr(&tool.name)));
+            g.push_str(&format!("named_{i}: {name} params_{i}\n"));
+            g.push_str(&params_rules(i, tool, tags));
+        }
+        Some(g)
+    }
+}
+
+/// A Lark string literal of `s` (JSON's escapes are Lark's).
+fn lark_literal(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_default()
+}
+
+/// The rule `params_{i}`: the parameter lines of one tool's call, the
+/// schema's properties in order, each required one always and the others
+/// optionally; non-string values get a JSON rule each (`value_{i}_{k}`).
+fn params_rules(i: usize, tool: &ToolSpec, tags: &Style) -> String {
+    let schema = super::call_arguments_schema(&tool.parameters);
+    let required: Vec<&str> = schema["required"]
+        .as_array()
+        .map(|r| r.iter().filter_map(|v| v.as_str()).collect())
+        .unwrap_or_default();
+    let end = lark_literal(&format!("{}\n", tags.param_close));
+    let (mut parts, mut values) = (Vec::new(), String::new());
+    if let Some(props) = schema["properties"].as_object() {
+        for (k, (key, prop)) in props.iter().enumerate() {
+            let is_string = prop["type"].as_str() == Some("string");
+            let open = lark_literal(&format!(
+                "{} name=\"{}\" string=\"{is_string}\">",
+                tags.param,
+                escape_attr(key)
+            ));
+            let choices: Option<Vec<String>> = prop["enum"].as_array().map(|e| {
+                e.iter()
+                    .filter_map(|v| v.as_str())
+                    .map(lark_literal)
+                    .collect()
+            });
+            let value =
+                if let (true, Some(choices)) = (is_string, choices.filter(|c| !c.is_empty())) {
+                    format!("( {} )", choices.join(" | "))
+                } else if is_string {
+                    // Raw text up to the close tag (`<` itself would need the
+                    // entity a string value cannot hold unescaped).
+                    "/[^<]*/".to_string()
+                } else {
+                    values.push_str(&format!("value_{i}_{k}: {}\n", super::json_rule(prop)));
+                    format!("value_{i}_{k}")
+                };
+            let optional = if required.contains(&key.as_str()) {
+                ""
+            } else {
+                "?"
+            };
+            parts.push(format!("( {open} {value} {end} ){optional}"));
+        }
+    }
+    let body = if parts.is_empty() {
+        "\"\"".to_string()
+    } else {
+        parts.join(" ")
+    };
+    format!("params_{i}: {body}\n{values}")
 }
 
 /// The §7.2 schema line of a tool, from the client's raw JSON: the raw value of
@@ -1190,5 +1298,67 @@ You MUST strictly follow the above defined tool name and parameter schemas to in
         // the C server; the prompt tells the model never to write entities.
         let (_, turn) = parse(&Dsml.render_calls(&[call("f", r#"{"s":"&amp;"}"#)]));
         assert_eq!(turn.calls, vec![parsed("f", r#"{"s":"&"}"#)]);
+    }
+
+    #[test]
+    fn the_call_grammar_writes_the_canonical_block_from_each_schema() {
+        let tool = |name: &str, parameters: &str| ToolSpec {
+            name: name.into(),
+            description: String::new(),
+            parameters: parameters.into(),
+            raw: String::new(),
+        };
+        let tools = [
+            tool(
+                "get_weather",
+                r#"{"type":"object","properties":{"city":{"type":"string"},
+                   "unit":{"type":"string","enum":["c","f"]},"days":{"type":"integer"}},
+                   "required":["city"]}"#,
+            ),
+            tool("ls", "not json"),
+        ];
+        let all = Dsml
+            .call_grammar(&tools, &ToolChoice::Required, true)
+            .unwrap();
+        assert!(all.starts_with(
+            "start: named \"</｜DSML｜invoke>\\n\" invoke* \"</｜DSML｜tool_calls>\"\n"
+        ));
+        assert!(all.contains("named: named_0 | named_1\n"), "{all}");
+        assert!(
+            all.contains("named_0: \"get_weather\\\">\\n\" params_0\n"),
+            "{all}"
+        );
+        // A free string ends at the close tag; an enum is one of its values; a
+        // number is JSON to its schema; only the required property is owed.
+        assert!(all.contains(
+            "( \"<｜DSML｜parameter name=\\\"city\\\" string=\\\"true\\\">\" /[^<]*/ \"</｜DSML｜parameter>\\n\" ) "
+        ), "{all}");
+        assert!(
+            all.contains("string=\\\"true\\\">\" ( \"c\" | \"f\" ) \"</｜DSML｜parameter>\\n\" )?"),
+            "{all}"
+        );
+        assert!(
+            all.contains("string=\\\"false\\\">\" value_0_2 \"</｜DSML｜parameter>\\n\" )?"),
+            "{all}"
+        );
+        assert!(all.contains("value_0_2: %json"), "{all}");
+        // Tools without properties take an empty invoke.
+        assert!(all.contains("params_1: \"\"\n"), "{all}");
+        let single = Dsml
+            .call_grammar(&tools, &ToolChoice::Required, false)
+            .unwrap();
+        assert!(!single.contains("invoke*"), "{single}");
+        let auto = Dsml.call_grammar(&tools, &ToolChoice::Auto, true).unwrap();
+        assert!(auto.starts_with("start: \"\\n\" invoke+ \"</｜DSML｜tool_calls>\"\n"));
+        assert_eq!(Dsml.call_trigger(), Some("<｜DSML｜tool_calls>"));
+        let named = Dsml
+            .call_grammar(&tools, &ToolChoice::Named("ls".into()), false)
+            .unwrap();
+        assert!(named.starts_with("start: params_0 ") && !named.contains("get_weather"));
+        assert_eq!(Dsml.call_grammar(&tools, &ToolChoice::None, true), None);
+        assert_eq!(
+            Dsml.call_grammar(&tools, &ToolChoice::Named("nope".into()), true),
+            None
+        );
     }
 }

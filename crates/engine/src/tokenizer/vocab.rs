@@ -181,6 +181,9 @@ const EOG_TEXTS: &[&str] = &[
     DEEPSEEK_EOS,
     "[e~[",
 ];
+/// DeepSeek V4's markup tokens, always rendered (see `render_deepseek4_markup`).
+const DEEPSEEK4_MARKUP: [&str; 3] = ["<think>", "</think>", "\u{FF5C}DSML\u{FF5C}"];
+
 /// gpt-oss tokens llama.cpp always renders (forced to user-defined).
 const ALWAYS_RENDERED_TEXTS: &[&str] =
     &["<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"];
@@ -346,6 +349,9 @@ impl Vocab {
         };
         v.read_special_ids(g, defaults)?;
         v.detect_special_tokens();
+        if g.get("tokenizer.ggml.pre").and_then(|p| p.as_str()) == Some("joyai-llm") {
+            v.render_deepseek4_markup();
+        }
         v.specials = SpecialMatcher::new(
             (0..v.n_vocab()).map(|id| (v.table.text(id), v.attrs[id as usize])),
         );
@@ -462,6 +468,19 @@ impl Vocab {
             });
         }
         self.eog = eog;
+    }
+
+    /// DeepSeek V4 (`joyai-llm`): the thinking tags and the DSML marker are
+    /// text the model writes and the server reads (the original engine prints
+    /// them; the official tokenizer marks them `special: false`), so they are
+    /// user-defined whatever type the file gives them (the real vocabulary
+    /// already does; a synthetic one may call them control).
+    fn render_deepseek4_markup(&mut self) {
+        for text in DEEPSEEK4_MARKUP {
+            if let Some(id) = self.token_id(text) {
+                self.attrs[id as usize] = attr::USER_DEFINED;
+            }
+        }
     }
 
     fn lowest_id_of(&self, texts: &[&str]) -> Option<u32> {
