@@ -20,6 +20,7 @@ use crate::kvargs::KvArgs;
 use crate::{models, ModelArgs};
 use ds4_kvstore::SaveReason;
 use ds4_server::persist::Persist;
+use ds4_server::prepare::encode_prompt;
 
 #[derive(Args, Clone, Debug)]
 pub struct SamplingArgs {
@@ -389,8 +390,6 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
         .into_iter()
         .map(|s| Message::new(Role::System, s))
         .collect();
-    // The text the live session represents, to prefill only what a turn adds.
-    let mut fed = String::new();
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
     eprintln!("type a message; /reset clears the conversation, /exit quits");
@@ -411,41 +410,45 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
                 }
                 history.retain(|m| m.role == Role::System);
                 session.reset();
-                fed.clear();
                 eprintln!("(conversation cleared)");
                 continue;
             }
             _ => {}
         }
         history.push(Message::new(Role::User, line));
-        let full = template.render(
+        let prompt = template.render(
             &history,
             &RenderOptions {
                 add_generation_prompt: true,
                 ..Default::default()
             },
         );
+        let own = encode_prompt(tok, &prompt);
         let t0 = Instant::now();
         let mut restored = 0;
-        let reused_live = !session.tokens().is_empty() && full.starts_with(fed.as_str());
+        // The live session continues when its text is a prefix of the prompt's
+        // with control tokens in the same places.
+        let mut rest = (!session.tokens().is_empty())
+            .then(|| tok.continuation(session.tokens(), &own))
+            .flatten();
+        let reused_live = rest.is_some();
         if !reused_live {
             if let Some(p) = &mut persist {
                 p.save(&session, SaveReason::Evict);
             }
             session.reset();
-            fed.clear();
             if let Some(p) = &mut persist {
-                let covered = p.restore(&mut session, full.as_bytes());
-                if full.is_char_boundary(covered) {
-                    fed = full[..covered].to_string();
-                    restored = session.tokens().len();
-                } else {
-                    session.reset();
+                if p.restore(&mut session, prompt.as_str().as_bytes()) > 0 {
+                    rest = tok.continuation(session.tokens(), &own);
+                    match rest {
+                        Some(_) => restored = session.tokens().len(),
+                        None => session.reset(),
+                    }
                 }
             }
         }
         let restore_s = t0.elapsed().as_secs_f64();
-        let ids = tok.encode(&full[fed.len()..], false, true);
+        let ids = rest.unwrap_or(own);
         let t1 = Instant::now();
         let cold = !reused_live && restored == 0;
         let prefilled = match &mut persist {
@@ -455,24 +458,23 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
         if let Err(e) = prefilled {
             history.pop();
             session.reset();
-            fed.clear();
             eprintln!("error: {e}; the conversation was reset");
             continue;
         }
         let prefill_s = t1.elapsed().as_secs_f64();
-        fed = full;
 
         let t2 = Instant::now();
         let mut reply = Vec::new();
         let mut stream = StreamDecoder::default();
         let mut n_gen = 0;
-        let mut closed_by = None;
         while n_gen < a.sampling.n_predict {
             let next = sampler.sample(session.logits()?);
             n_gen += 1;
             if tok.is_eog(next) {
-                // Feed the end-of-turn token so the session matches the rendered history.
-                closed_by = session.decode_step(next).is_ok().then_some(next);
+                // Feed the end-of-turn token so the session matches the rendered
+                // history (with a full context it does not, and the next turn
+                // is prefilled from the start).
+                let _ = session.decode_step(next);
                 break;
             }
             let piece = tok.token_piece(next, false);
@@ -489,10 +491,6 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
         }
         writeln!(out, "{}", stream.finish())?;
         let reply = String::from_utf8_lossy(&reply).into_owned();
-        fed.push_str(&reply);
-        if let Some(end) = closed_by {
-            fed.push_str(&String::from_utf8_lossy(tok.token_piece(end, true)));
-        }
         history.push(Message::new(Role::Assistant, reply));
         let source = match (reused_live, restored) {
             (true, _) => "live session".to_string(),

@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod normalize;
 pub mod openai;
 pub mod persist;
+pub mod prepare;
 pub mod responses;
 pub mod tooling;
 pub mod trace;

@@ -634,6 +634,7 @@ mod tests {
         let d = OpenAi(Kind::Chat);
         let o = Overflow {
             prompt_tokens: 9000,
+            at_least: false,
             max_tokens: None,
             n_ctx: 8192,
         };
@@ -642,6 +643,7 @@ mod tests {
             .starts_with("This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens."));
         let o = Overflow {
             prompt_tokens: 7000,
+            at_least: false,
             max_tokens: Some(2000),
             ..o
         };

@@ -16,6 +16,7 @@
 
 mod bpe;
 mod pretokenize;
+mod segments;
 mod special;
 mod stream;
 mod vocab;
@@ -25,6 +26,7 @@ mod tests;
 
 use ds4_gguf::{Gguf, GgufError};
 
+pub use segments::Segment;
 pub use stream::StreamDecoder;
 
 use bpe::Bpe;
@@ -132,18 +134,24 @@ impl Tokenizer {
         if add_special && v.add_bos {
             out.extend(v.bos());
         }
-        for frag in v.specials.partition(text, parse_special) {
-            match frag {
-                Fragment::Token(id) => out.push(id),
-                Fragment::Text(range) => match &self.model {
-                    Model::Bpe(bpe) => bpe.encode(&text[range], &mut out),
-                },
-            }
-        }
+        self.encode_into(text, parse_special, &mut out);
         if add_special && v.add_eos {
             out.extend(v.eos());
         }
         out
+    }
+
+    /// Appends the tokens of `text` (no BOS/EOS), special texts parsed as
+    /// [`Tokenizer::encode`] says.
+    fn encode_into(&self, text: &str, parse_special: bool, out: &mut Vec<u32>) {
+        for frag in self.vocab.specials.partition(text, parse_special) {
+            match frag {
+                Fragment::Token(id) => out.push(id),
+                Fragment::Text(range) => match &self.model {
+                    Model::Bpe(bpe) => bpe.encode(&text[range], out),
+                },
+            }
+        }
     }
 
     /// Concatenated pieces of `ids` (see [`Tokenizer::token_piece`]). The bytes need
