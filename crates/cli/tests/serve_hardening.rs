@@ -4,6 +4,10 @@
 
 mod common;
 
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
 use common::*;
 use serde_json::json;
 
@@ -104,4 +108,233 @@ fn text_reuse_never_pairs_control_tokens_with_typed_text() {
         (reused as u64) < live - 8,
         "{cache}; live session {live} tokens"
     );
+}
+
+/// Sends `head` then `body` in chunks on a fresh connection, ignoring write
+/// errors (the server may answer and close before the body ends), and returns
+/// the response (status 0 when none came).
+fn send_big(port: u16, head: String, body: &[u8]) -> Reply {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let _ = s.write_all(head.as_bytes());
+    for chunk in body.chunks(1 << 20) {
+        if s.write_all(chunk).is_err() {
+            break;
+        }
+    }
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (headers, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    Reply {
+        status: headers
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0),
+        headers: headers.to_string(),
+        body: body.to_string(),
+    }
+}
+
+/// A 60 MiB body does not hold up a small request, whether it is refused at
+/// the body cap (the default follows the context) or, under a larger cap,
+/// from its size before it is tokenized (it cannot fit 4096 tokens).
+#[test]
+fn a_large_body_does_not_stall_a_small_request() {
+    let text = "All work and no play makes Jack a dull boy. ".repeat((60 << 20) / 44);
+    let body = json!({ "messages": [{ "role": "user", "content": text }], "max_tokens": 4 })
+        .to_string()
+        .into_bytes();
+    for cap in [None, Some(64 << 20)] {
+        let cap_arg = cap.map(|c: usize| c.to_string());
+        let mut args = vec!["--no-kv-disk"];
+        if let Some(c) = &cap_arg {
+            args.extend(["--max-body-bytes", c]);
+        }
+        let srv = Server::start(&args);
+        let port = srv.port;
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        let big = {
+            let body = body.clone();
+            std::thread::spawn(move || send_big(port, head, &body))
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        let small = json!({ "messages": [{ "role": "user", "content": "Hi" }], "max_tokens": 2, "temperature": 0 });
+        let mut worst = Duration::ZERO;
+        for _ in 0..3 {
+            let t = Instant::now();
+            let r = post(port, "/v1/chat/completions", &small);
+            worst = worst.max(t.elapsed());
+            assert_eq!(r.status, 200, "{}", r.body);
+        }
+        let big = big.join().unwrap();
+        eprintln!(
+            "cap {cap:?}: small request at worst {worst:?} while the 60 MiB body got {}",
+            big.status
+        );
+        assert!(worst < Duration::from_secs(1), "cap {cap:?}: {worst:?}");
+        match cap {
+            None => assert!(matches!(big.status, 0 | 413), "{}", big.body),
+            Some(_) => {
+                assert_eq!(big.status, 400, "{}", big.body);
+                assert!(big.body.contains("at least"), "{}", big.body);
+            }
+        }
+    }
+}
+
+/// Idle connections, slow headers and slow bodies are closed at their
+/// deadlines; a chunk size that overflows is a 400, one never sent is cut at
+/// the body deadline. The server goes on serving.
+#[test]
+fn slow_and_idle_connections_are_closed() {
+    let srv = Server::start(&[
+        "--no-kv-disk",
+        "--idle-timeout",
+        "1",
+        "--header-timeout",
+        "1",
+        "--body-timeout",
+        "1",
+    ]);
+    let port = srv.port;
+    let closed_within = |s: &mut TcpStream, limit: Duration| {
+        s.set_read_timeout(Some(limit)).unwrap();
+        let mut sink = Vec::new();
+        let t = Instant::now();
+        let r = s.read_to_end(&mut sink);
+        assert!(r.is_ok(), "not closed within {limit:?}: {r:?}");
+        (t.elapsed(), String::from_utf8_lossy(&sink).into_owned())
+    };
+    // A fresh connection that sends nothing.
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let (took, _) = closed_within(&mut s, Duration::from_secs(5));
+    assert!(took >= Duration::from_millis(900), "{took:?}");
+    // A kept-alive connection after its response.
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        .unwrap();
+    let (_, got) = closed_within(&mut s, Duration::from_secs(5));
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    // Headers sent a byte at a time (slowloris).
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let t = Instant::now();
+    for &b in b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+        .iter()
+        .cycle()
+    {
+        if s.write_all(&[b]).is_err() || t.elapsed() > Duration::from_secs(5) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "slow headers kept for {:?}",
+        t.elapsed()
+    );
+    // A body that stops halfway: 408 in the dialect's shape.
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"max_tokens\":")
+        .unwrap();
+    let (_, got) = closed_within(&mut s, Duration::from_secs(5));
+    assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+    assert!(
+        got.contains("\"type\":\"error\"") && got.contains("--body-timeout"),
+        "{got}"
+    );
+    // Chunk sizes: 2^64 overflows (400 at once), 2^64-1 never arrives (408).
+    for (size, status) in [("10000000000000000", "400"), ("ffffffffffffffff", "408")] {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.write_all(format!("POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{size}\r\n{{\"messages\":[]}}").as_bytes())
+            .unwrap();
+        let (took, got) = closed_within(&mut s, Duration::from_secs(5));
+        assert!(
+            got.starts_with(&format!("HTTP/1.1 {status}")),
+            "{size}: {got}"
+        );
+        assert!(got.contains("\"error\":{"), "{size}: {got}");
+        assert!(took < Duration::from_secs(3), "{size}: {took:?}");
+    }
+    let r = post(
+        port,
+        "/v1/chat/completions",
+        &json!({ "messages": [{ "role": "user", "content": "Hi" }], "max_tokens": 2 }),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+/// Past `--max-connections` a connection gets a 503 and is closed; freed
+/// slots serve again.
+#[test]
+fn the_connection_cap_refuses_with_503() {
+    let srv = Server::start(&[
+        "--no-kv-disk",
+        "--max-connections",
+        "3",
+        "--idle-timeout",
+        "30",
+    ]);
+    let port = srv.port;
+    let held: Vec<TcpStream> = (0..3)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let r = request(port, "GET", "/health", b"", &[]);
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.header("retry-after").as_deref(), Some("1"));
+    drop(held);
+    std::thread::sleep(Duration::from_millis(200));
+    let r = request(port, "GET", "/health", b"", &[]);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let m = request(port, "GET", "/metrics", b"", &[]).body;
+    assert!(m.contains("ds4_connections_refused_total 1"), "{m}");
+}
+
+/// A page in a browser cannot drive a keyless loopback server: a foreign
+/// `Host` gets 403, a POST that is not JSON 415, each in the route's dialect;
+/// loopback names, `--allowed-host` names and what the SDKs send pass.
+#[test]
+fn browser_requests_are_refused() {
+    let srv = Server::start(&["--no-kv-disk", "--allowed-host", "ds4.lan"]);
+    let port = srv.port;
+    let body =
+        json!({ "model": "x", "max_tokens": 2, "messages": [{ "role": "user", "content": "Hi" }] })
+            .to_string();
+    let send = |path: &str, host: &str, ct: &str| {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.write_all(format!("POST {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nContent-Type: {ct}\r\nContent-Length: {}\r\n\r\n{body}", body.len()).as_bytes()).unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).unwrap();
+        raw
+    };
+    for (path, shape) in [
+        ("/v1/chat/completions", "\"error\":{"),
+        ("/v1/messages", "\"type\":\"error\""),
+    ] {
+        let r = send(path, "attacker.example:8000", "application/json");
+        assert!(r.starts_with("HTTP/1.1 403") && r.contains(shape), "{r}");
+        let r = send(path, "127.0.0.1:8000", "text/plain");
+        assert!(r.starts_with("HTTP/1.1 415") && r.contains(shape), "{r}");
+        for host in [
+            "127.0.0.1:8000",
+            "localhost:8000",
+            "[::1]:8000",
+            "ds4.lan:8000",
+        ] {
+            let r = send(path, host, "application/json; charset=utf-8");
+            assert!(r.starts_with("HTTP/1.1 200"), "{host}: {r}");
+        }
+    }
+    // Reads too: a rebound page must not see the model list or the metrics.
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    assert!(raw.starts_with("HTTP/1.1 403"), "{raw}");
 }

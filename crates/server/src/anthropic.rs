@@ -449,6 +449,7 @@ pub fn error_body(status: StatusCode, message: &str, kind: ErrorKind) -> Value {
         _ if status == StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
         ErrorKind::InvalidRequest | ErrorKind::ContextLength => "invalid_request_error",
         ErrorKind::Authentication => "authentication_error",
+        ErrorKind::Forbidden => "permission_error",
         ErrorKind::NotFound => "not_found_error",
         ErrorKind::Overloaded => "overloaded_error",
         ErrorKind::Server => "api_error",

@@ -136,6 +136,8 @@ pub enum ErrorKind {
     InvalidRequest,
     ContextLength,
     Authentication,
+    /// Refused whoever asks (a `Host` this server does not answer).
+    Forbidden,
     NotFound,
     Overloaded,
     Server,

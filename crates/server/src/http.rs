@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Request as HttpRequest, State};
-use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
-use axum::middleware::{self, Next};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -38,7 +38,13 @@ use crate::worker::{
 pub struct ServerConfig {
     pub api_key: Option<String>,
     pub cors: bool,
-    pub max_body_bytes: usize,
+    /// The largest request body; `None`: [`default_body_limit`] of the context.
+    pub max_body_bytes: Option<usize>,
+    /// Time allowed to receive a request's body.
+    pub body_timeout: Duration,
+    /// `Some` when the server listens on loopback: the `Host` names it answers
+    /// besides loopback ones (`--allowed-host`); `None`: any Host.
+    pub allowed_hosts: Option<Vec<String>>,
     /// Generation limit when a request gives none.
     pub default_max_tokens: usize,
     /// The id `/v1/models` lists and responses echo by default.
@@ -55,7 +61,9 @@ impl Default for ServerConfig {
         ServerConfig {
             api_key: None,
             cors: false,
-            max_body_bytes: 32 << 20,
+            max_body_bytes: None,
+            body_timeout: Duration::from_secs(60),
+            allowed_hosts: Some(vec![]),
             default_max_tokens: 512,
             model_name: "ds4".into(),
             normalize: Some(vec![]),
@@ -66,6 +74,8 @@ impl Default for ServerConfig {
 
 pub(crate) struct AppState {
     pub cfg: ServerConfig,
+    /// The body cap in force (the setting, or the context's default).
+    pub max_body_bytes: usize,
     pub worker: WorkerHandle,
     /// The served model, for tokenizing on the HTTP side (token counts).
     pub model: Arc<Model>,
@@ -80,6 +90,18 @@ pub(crate) struct AppState {
     cpu_slots: tokio::sync::Semaphore,
 }
 
+/// The default body cap: six bytes of JSON (a `\u0000` escape) for every byte
+/// a full context can hold (`n_ctx` tokens of the longest piece), at least 1
+/// MiB. A body is read whole before anything else, so this is what one request
+/// can make the server hold: 1.9 MiB at 4096 tokens of SmolLM2 (81-byte longest
+/// token), 15.2 MiB at 32768.
+pub fn default_body_limit(tok: &ds4_engine::Tokenizer, n_ctx: usize) -> usize {
+    n_ctx
+        .saturating_mul(tok.longest_piece())
+        .saturating_mul(6)
+        .max(1 << 20)
+}
+
 /// Builds the router over a running worker of `model`; `tool_memory` is shared
 /// with the worker's checkpoints. Fails only on an invalid normalisation pattern.
 pub fn router(
@@ -90,7 +112,9 @@ pub fn router(
     tool_memory: Arc<ToolMemory>,
     trace: Option<Arc<Trace>>,
 ) -> Result<Router, regex::Error> {
-    let max_body = cfg.max_body_bytes;
+    let max_body = cfg
+        .max_body_bytes
+        .unwrap_or_else(|| default_body_limit(&model.tokenizer, cfg.n_ctx));
     let template = model
         .chat_template()
         .and_then(ChatMl::from_template)
@@ -111,6 +135,7 @@ pub fn router(
     };
     let state = Arc::new(AppState {
         cfg,
+        max_body_bytes: max_body,
         worker,
         model,
         template,
@@ -139,13 +164,16 @@ pub fn router(
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body))
-        .layer(middleware::from_fn_with_state(Arc::clone(&state), guard))
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            crate::admit::guard,
+        ))
         .with_state(state))
 }
 
 /// The dialect whose error shape answers a request to `path` that no handler
 /// parsed (authentication, body size, unknown routes).
-fn dialect_for_path(path: &str) -> Arc<dyn Dialect> {
+pub(crate) fn dialect_for_path(path: &str) -> Arc<dyn Dialect> {
     if path.starts_with("/v1/messages") {
         return Arc::new(crate::anthropic::Anthropic::default());
     }
@@ -170,69 +198,9 @@ async fn method_not_allowed(req: HttpRequest) -> Response {
     )
 }
 
-/// API key check, CORS headers and preflight, and dialect-shaped errors for
-/// oversized bodies.
-async fn guard(State(st): State<Arc<AppState>>, req: HttpRequest, next: Next) -> Response {
-    let path = req.uri().path().to_string();
-    let d = dialect_for_path(&path);
-    let mut r = if req.method() == Method::OPTIONS {
-        StatusCode::NO_CONTENT.into_response()
-    } else if !authorized(&st.cfg, req.headers()) {
-        d.error(
-            StatusCode::UNAUTHORIZED,
-            "invalid or missing API key (send `Authorization: Bearer KEY` or `x-api-key: KEY`)",
-            ErrorKind::Authentication,
-        )
-    } else {
-        let r = ROUTE.scope(path.clone(), next.run(req)).await;
-        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            let msg = format!(
-                "request body is larger than --max-body-bytes ({})",
-                st.cfg.max_body_bytes
-            );
-            d.error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                &msg,
-                ErrorKind::InvalidRequest,
-            )
-        } else {
-            r
-        }
-    };
-    if st.cfg.cors {
-        add_cors(r.headers_mut());
-    }
-    st.metrics.request(&path, r.status().as_u16());
-    r
-}
-
 tokio::task_local! {
     /// The path of the request a handler is serving, for the trace.
-    static ROUTE: String;
-}
-
-fn authorized(cfg: &ServerConfig, h: &HeaderMap) -> bool {
-    let Some(key) = &cfg.api_key else {
-        return true;
-    };
-    let bearer = h
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok());
-    bearer == Some(key.as_str()) || x_api_key == Some(key.as_str())
-}
-
-fn add_cors(h: &mut HeaderMap) {
-    h.insert("access-control-allow-origin", HeaderValue::from_static("*"));
-    h.insert(
-        "access-control-allow-methods",
-        HeaderValue::from_static("GET, POST, OPTIONS"),
-    );
-    h.insert(
-        "access-control-allow-headers",
-        HeaderValue::from_static("*"),
-    );
+    pub(crate) static ROUTE: String;
 }
 
 async fn metrics_text(State(st): State<Arc<AppState>>) -> Response {

@@ -438,6 +438,7 @@ pub fn error_body(message: &str, kind: ErrorKind, param: Option<&str>) -> Value 
         ErrorKind::InvalidRequest => ("invalid_request_error", None),
         ErrorKind::ContextLength => ("invalid_request_error", Some("context_length_exceeded")),
         ErrorKind::Authentication => ("authentication_error", Some("invalid_api_key")),
+        ErrorKind::Forbidden => ("permission_error", None),
         ErrorKind::NotFound => ("not_found_error", None),
         ErrorKind::Overloaded => ("server_error", Some("overloaded")),
         ErrorKind::Server => ("server_error", None),

@@ -26,6 +26,17 @@ pub fn report_notices(store: &Store) -> u64 {
     evictions
 }
 
+/// What the store holds and what this process's saves did to it (`/metrics`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreUsage {
+    pub files: usize,
+    pub bytes: u64,
+    /// Checkpoints evicted by this process's saves.
+    pub evictions: u64,
+    /// Saves that failed (a full disk, permissions, I/O errors).
+    pub save_failures: u64,
+}
+
 /// How a caller runs one stretch of prefill (with or without a progress bar).
 pub type PrefillFn<'a> = dyn FnMut(&mut Session, &[u32]) -> Result<(), EngineError> + 'a;
 
@@ -40,6 +51,8 @@ pub struct Persist {
     saved_tokens: usize,
     /// Checkpoints evicted by this process's saves.
     evictions: u64,
+    /// Saves that failed (full disk, permissions, I/O errors).
+    save_failures: u64,
     /// The file of the last checkpoint restored or saved, for the trace.
     pub last_file: Option<std::path::PathBuf>,
     /// Exact tool-call text saved with checkpoints and reloaded on a hit.
@@ -69,6 +82,7 @@ impl Persist {
             continued_frontier: 0,
             saved_tokens: 0,
             evictions: 0,
+            save_failures: 0,
             last_file: None,
             tool_memory: None,
             kv_type: session.kv_type(),
@@ -97,10 +111,15 @@ impl Persist {
         self.saved_tokens
     }
 
-    /// Files and bytes in the store, and evictions caused by this process.
-    pub fn store_usage(&self) -> (usize, u64, u64) {
+    /// What the store holds, and what this process's saves did to it.
+    pub fn store_usage(&self) -> StoreUsage {
         let (files, bytes) = self.store.usage();
-        (files, bytes, self.evictions)
+        StoreUsage {
+            files,
+            bytes,
+            evictions: self.evictions,
+            save_failures: self.save_failures,
+        }
     }
 
     pub fn policy(&self) -> SavePolicy {
@@ -312,10 +331,13 @@ impl Persist {
             }
             Ok(SaveOutcome::Kept { .. }) => {}
             Ok(SaveOutcome::Skipped(why)) => eprintln!("kv cache save skipped tokens={n}: {why:?}"),
-            Err(e) => eprintln!(
-                "kv cache save failed tokens={n} reason={}: {e}",
-                reason.as_str()
-            ),
+            Err(e) => {
+                self.save_failures += 1;
+                eprintln!(
+                    "kv cache save failed tokens={n} reason={}: {e}",
+                    reason.as_str()
+                )
+            }
         }
         self.evictions += report_notices(&self.store);
     }
@@ -360,7 +382,7 @@ mod tests {
             s.prefill(&ids).unwrap();
             let mut p = Persist::new(open(), &s);
             p.save(&s, SaveReason::Shutdown);
-            assert_eq!(p.store_usage().0, 1, "{saver}: saved");
+            assert_eq!(p.store_usage().files, 1, "{saver}: saved");
             let prompt = model.tokenizer.decode(s.tokens(), true);
 
             let other = if saver == KvType::F16 {

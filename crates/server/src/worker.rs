@@ -629,8 +629,7 @@ impl WorkerState {
             let _ = job.events.blocking_send(Event::Failed(e));
         }
         if let Some(p) = &self.persist {
-            let (files, bytes, evictions) = p.store_usage();
-            self.metrics.store(files, bytes, evictions);
+            self.metrics.store(&p.store_usage());
         }
     }
 

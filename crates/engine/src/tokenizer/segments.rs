@@ -110,7 +110,12 @@ impl Tokenizer {
         let kept = match &self.model {
             Model::Bpe(bpe) => bpe.kept_bytes(text),
         };
-        kept.div_ceil(self.vocab.max_piece_len().max(1))
+        kept.div_ceil(self.longest_piece().max(1))
+    }
+
+    /// The longest token piece, in bytes: no token stands for more text.
+    pub fn longest_piece(&self) -> usize {
+        self.vocab.max_piece_len()
     }
 
     /// The control tokens `markup` spells, with their byte ranges in it.
