@@ -2,7 +2,7 @@
 
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -11,8 +11,8 @@ use ds4_chat::{ChatMl, Message, RenderOptions, Role, Template};
 use ds4_engine::sampler::{argmax, log_softmax, top_k};
 use ds4_engine::tokenizer::StreamDecoder;
 use ds4_engine::{
-    KvType, Model, Precision, RopeRequest, Sampler, SamplerConfig, Session, SessionOptions,
-    ThreadPool,
+    DigestEvent, DigestOptions, KvType, Model, Precision, RopeRequest, Sampler, SamplerConfig,
+    Session, SessionOptions, ThreadPool,
 };
 use serde::Serialize;
 
@@ -166,7 +166,7 @@ impl ModelArgs {
     /// Loads the model at `path` with the RoPE scaling request of
     /// `--rope-scaling` / `--rope-scale`.
     pub fn load_model(&self, path: &Path) -> Result<Model> {
-        let mut model = Model::load(path).with_context(|| format!("loading {}", path.display()))?;
+        let mut model = load_hashed(path)?;
         model
             .set_rope_request(RopeRequest {
                 kind: self.rope_scaling,
@@ -191,6 +191,49 @@ impl ModelArgs {
         self.kv_type
             .unwrap_or(if self.exact { KvType::F32 } else { KvType::F16 })
     }
+}
+
+/// Loads the model at `path`, its tensor data's digest (the checkpoints'
+/// weights fingerprint) cached under `$DS4_HOME/fingerprints` by the file's
+/// identity; hashing a file of 1 GiB or more shows a progress bar.
+fn load_hashed(path: &Path) -> Result<Model> {
+    const SHOW_FROM: u64 = 1 << 30;
+    let bar: Mutex<Option<indicatif::ProgressBar>> = Mutex::new(None);
+    let events = |e: DigestEvent<'_>| {
+        let mut bar = bar.lock().unwrap_or_else(|e| e.into_inner());
+        match e {
+            DigestEvent::Progress { done, total } if total >= SHOW_FROM => {
+                let b = bar.get_or_insert_with(|| {
+                    indicatif::ProgressBar::new(total).with_style(
+                        indicatif::ProgressStyle::with_template(
+                            "hashing the weights (once per file) {bar:40} {bytes}/{total_bytes}, {bytes_per_sec}, eta {eta}",
+                        )
+                        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+                    )
+                });
+                b.set_position(done);
+            }
+            DigestEvent::Hashed { bytes, seconds } if bytes >= SHOW_FROM => {
+                if let Some(b) = bar.take() {
+                    b.finish_and_clear();
+                }
+                eprintln!(
+                    "hashed {:.1} GiB of weights in {seconds:.1} s (cached: later starts skip this)",
+                    bytes as f64 / (1u64 << 30) as f64
+                );
+            }
+            DigestEvent::CacheFailed(e) => {
+                eprintln!("weights fingerprint cache not used: {e}")
+            }
+            _ => {}
+        }
+    };
+    let opts = DigestOptions {
+        cache_dir: Some(models::ds4_home()?.join("fingerprints")),
+        events: &events,
+        ..DigestOptions::default()
+    };
+    Model::load_with(path, &opts).with_context(|| format!("loading {}", path.display()))
 }
 
 pub fn precision_name(p: Precision) -> &'static str {

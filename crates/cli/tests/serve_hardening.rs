@@ -338,3 +338,80 @@ fn browser_requests_are_refused() {
     s.read_to_string(&mut raw).unwrap();
     assert!(raw.starts_with("HTTP/1.1 403"), "{raw}");
 }
+
+/// A copy of the default model with some Q4_1 quants of one tensor changed:
+/// the same metadata and tensor directory, other weights.
+fn tampered_model(dir: &std::path::Path) -> std::path::PathBuf {
+    let original = ds4_testdata::model_path(ds4_testdata::SMOLLM2);
+    let g = ds4_gguf::Gguf::open(&original).unwrap();
+    let t = g.tensor_info("blk.0.ffn_down.weight").unwrap();
+    assert_eq!(t.ty, ds4_gguf::GgmlType::Q4_1);
+    let start = (g.data_offset + t.offset) as usize;
+    let mut bytes = std::fs::read(&original).unwrap();
+    // Q4_1 blocks are 20 bytes: f16 d and m, then 16 bytes of nibbles.
+    for block in 0..64 {
+        for q in 4..20 {
+            bytes[start + block * 20 + q] ^= 0x5a;
+        }
+    }
+    let path = dir.join("tampered.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+/// A checkpoint saved by the default model is refused, with a notice that
+/// says why, by a file with the same metadata and tensor directory but other
+/// tensor data; the original model still loads it.
+#[test]
+fn a_checkpoint_from_other_weights_is_refused() {
+    let dir = temp_dir("weights");
+    let home = dir.join("home");
+    let kv = dir.join("kv");
+    let env = [("DS4_HOME", home.to_str().unwrap())];
+    let original = ds4_testdata::model_path(ds4_testdata::SMOLLM2);
+    let tampered = tampered_model(&dir);
+    let question =
+        json!({ "role": "user", "content": "Name three colors of the rainbow, please." });
+    let chat = |port: u16, messages: serde_json::Value| {
+        let r = post(
+            port,
+            "/v1/chat/completions",
+            &json!({ "messages": messages, "max_tokens": 8, "temperature": 0 }),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        r
+    };
+    let serve = |model: &std::path::Path| {
+        let args = [&kv_flags(&kv)[..], &["-m", model.to_str().unwrap()]].concat();
+        Server::start_with_env(&args, &env)
+    };
+    // The original model answers; its shutdown save holds the turn.
+    let srv = serve(&original);
+    let answer =
+        chat(srv.port, json!([question])).json()["choices"][0]["message"]["content"].clone();
+    let log = srv.stop();
+    assert!(log.contains("reason=shutdown"), "{log}");
+    let follow_up = json!([question, { "role": "assistant", "content": answer }, { "role": "user", "content": "One more?" }]);
+
+    let srv = serve(&tampered);
+    let cache = chat(srv.port, follow_up.clone())
+        .header("x-ds4-cache")
+        .unwrap();
+    assert!(cache.starts_with("none; reused=0"), "{cache}");
+    let log = srv.stop();
+    assert!(
+        log.contains("not loading") && log.contains("weights differ"),
+        "{log}"
+    );
+
+    let srv = serve(&original);
+    let cache = chat(srv.port, follow_up).header("x-ds4-cache").unwrap();
+    assert!(cache.starts_with("disk-text"), "{cache}");
+    drop(srv);
+    // The digests were hashed once per file and cached under DS4_HOME.
+    let cached = std::fs::read_dir(home.join("fingerprints"))
+        .unwrap()
+        .count();
+    assert_eq!(cached, 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -12,6 +12,7 @@ pub mod sampler;
 mod session;
 pub mod tokenizer;
 
+pub use ds4_gguf::{DigestEvent, DigestOptions};
 pub use ds4_kernels::pool::{default_threads, ThreadPool};
 pub use ds4_kernels::{available_kernel_tiers, kernel_tier, requested_kernel_tier};
 pub use error::{EngineError, Result};

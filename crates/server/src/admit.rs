@@ -243,7 +243,10 @@ mod tests {
         );
         // No Host header (not a browser), or not bound to loopback: no check.
         assert!(host_allowed(&cfg, &HeaderMap::new()).is_ok());
-        let open = ServerConfig::default();
+        let open = ServerConfig {
+            allowed_hosts: None,
+            ..ServerConfig::default()
+        };
         assert!(host_allowed(&open, &headers(&[("host", "evil.example")])).is_ok());
     }
 

@@ -64,6 +64,19 @@ pub struct Persist {
     pub kv_type_skips: u64,
 }
 
+/// What `session`'s checkpoints are filed under: its state fingerprint (the
+/// model's layout, folded with the K/V type and RoPE scaling, so an f16
+/// checkpoint never serves an f32 session nor the reverse), the quantization
+/// and the weights.
+pub fn model_id(session: &Session) -> ModelId {
+    let fp = session.model().fingerprint;
+    ModelId {
+        model_fp: session.state_fingerprint(),
+        quant_fp: fp.quant,
+        weights_fp: fp.weights,
+    }
+}
+
 impl Persist {
     pub fn new(store: Store, session: &Session) -> Self {
         let fp = session.model().fingerprint;
@@ -71,14 +84,10 @@ impl Persist {
             KvType::F32 => KvType::F16,
             KvType::F16 => KvType::F32,
         };
+        let model = model_id(session);
         Persist {
             store,
-            model: ModelId {
-                // Differs per K/V type: an f16 checkpoint is never offered to an
-                // f32 session, nor the reverse (`Session::state_fingerprint`).
-                model_fp: session.state_fingerprint(),
-                quant_fp: fp.quant,
-            },
+            model,
             continued_frontier: 0,
             saved_tokens: 0,
             evictions: 0,
@@ -94,7 +103,7 @@ impl Persist {
                     model_fp: session
                         .rope_scaling()
                         .fold_fingerprint(other.state_fingerprint(&fp)),
-                    quant_fp: fp.quant,
+                    ..model
                 },
             ),
             kv_type_skips: 0,
@@ -147,7 +156,7 @@ impl Persist {
         {
             Ok(Some(c)) if c.header.tokens as usize >= self.policy().min_tokens => c,
             Ok(_) => {
-                self.notice_other_kv_type(prompt, session.n_ctx());
+                self.explain_miss(prompt, session.n_ctx());
                 return 0;
             }
             Err(e) => {
@@ -196,21 +205,34 @@ impl Persist {
         loaded.text.len()
     }
 
-    /// After a miss: says so when a checkpoint of the other K/V type would have
-    /// matched (it is never loaded: its rows were rounded differently).
-    fn notice_other_kv_type(&mut self, prompt: &[u8], n_ctx: usize) {
+    /// After a miss: says which checkpoint would have served the prompt and why
+    /// it was not loaded — saved by other weights, before weights were
+    /// recorded, with the other K/V type (its rows were rounded differently),
+    /// another model or a larger context.
+    fn explain_miss(&mut self, prompt: &[u8], n_ctx: usize) {
+        let Ok(Some((path, h, why))) = self.store.lookup_refused(prompt, &self.model, n_ctx as u32)
+        else {
+            return;
+        };
+        if (h.tokens as usize) < self.policy().min_tokens {
+            return;
+        }
         let (other, id) = self.other_kv;
-        if let Ok(Some(c)) = self.store.lookup(prompt, &id, n_ctx as u32) {
-            if c.header.tokens as usize >= self.policy().min_tokens {
-                self.kv_type_skips += 1;
-                eprintln!(
-                    "kv cache: skipped {} ({} tokens): saved with {other} K/V, this session \
-                     stores {} (--kv-type)",
-                    c.path.display(),
-                    c.header.tokens,
-                    self.kv_type
-                );
-            }
+        if h.model.model_fp == id.model_fp {
+            self.kv_type_skips += 1;
+            eprintln!(
+                "kv cache: skipped {} ({} tokens): saved with {other} K/V, this session \
+                 stores {} (--kv-type)",
+                path.display(),
+                h.tokens,
+                self.kv_type
+            );
+        } else {
+            eprintln!(
+                "kv cache: not loading {} ({} tokens, its text is a prefix of the prompt): {why}",
+                path.display(),
+                h.tokens
+            );
         }
     }
 
