@@ -2,7 +2,7 @@
 
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -11,8 +11,8 @@ use ds4_chat::{ChatMl, Message, RenderOptions, Role, Template};
 use ds4_engine::sampler::{argmax, log_softmax, top_k};
 use ds4_engine::tokenizer::StreamDecoder;
 use ds4_engine::{
-    KvType, Model, Precision, RopeRequest, Sampler, SamplerConfig, Session, SessionOptions,
-    ThreadPool,
+    DigestEvent, DigestOptions, KvType, Model, Precision, RopeRequest, Sampler, SamplerConfig,
+    Session, SessionOptions, ThreadPool,
 };
 use serde::Serialize;
 
@@ -20,6 +20,7 @@ use crate::kvargs::KvArgs;
 use crate::{models, ModelArgs};
 use ds4_kvstore::SaveReason;
 use ds4_server::persist::Persist;
+use ds4_server::prepare::encode_prompt;
 
 #[derive(Args, Clone, Debug)]
 pub struct SamplingArgs {
@@ -165,7 +166,7 @@ impl ModelArgs {
     /// Loads the model at `path` with the RoPE scaling request of
     /// `--rope-scaling` / `--rope-scale`.
     pub fn load_model(&self, path: &Path) -> Result<Model> {
-        let mut model = Model::load(path).with_context(|| format!("loading {}", path.display()))?;
+        let mut model = load_hashed(path)?;
         model
             .set_rope_request(RopeRequest {
                 kind: self.rope_scaling,
@@ -190,6 +191,49 @@ impl ModelArgs {
         self.kv_type
             .unwrap_or(if self.exact { KvType::F32 } else { KvType::F16 })
     }
+}
+
+/// Loads the model at `path`, its tensor data's digest (the checkpoints'
+/// weights fingerprint) cached under `$DS4_HOME/fingerprints` by the file's
+/// identity; hashing a file of 1 GiB or more shows a progress bar.
+fn load_hashed(path: &Path) -> Result<Model> {
+    const SHOW_FROM: u64 = 1 << 30;
+    let bar: Mutex<Option<indicatif::ProgressBar>> = Mutex::new(None);
+    let events = |e: DigestEvent<'_>| {
+        let mut bar = bar.lock().unwrap_or_else(|e| e.into_inner());
+        match e {
+            DigestEvent::Progress { done, total } if total >= SHOW_FROM => {
+                let b = bar.get_or_insert_with(|| {
+                    indicatif::ProgressBar::new(total).with_style(
+                        indicatif::ProgressStyle::with_template(
+                            "hashing the weights (once per file) {bar:40} {bytes}/{total_bytes}, {bytes_per_sec}, eta {eta}",
+                        )
+                        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+                    )
+                });
+                b.set_position(done);
+            }
+            DigestEvent::Hashed { bytes, seconds } if bytes >= SHOW_FROM => {
+                if let Some(b) = bar.take() {
+                    b.finish_and_clear();
+                }
+                eprintln!(
+                    "hashed {:.1} GiB of weights in {seconds:.1} s (cached: later starts skip this)",
+                    bytes as f64 / (1u64 << 30) as f64
+                );
+            }
+            DigestEvent::CacheFailed(e) => {
+                eprintln!("weights fingerprint cache not used: {e}")
+            }
+            _ => {}
+        }
+    };
+    let opts = DigestOptions {
+        cache_dir: Some(models::ds4_home()?.join("fingerprints")),
+        events: &events,
+        ..DigestOptions::default()
+    };
+    Model::load_with(path, &opts).with_context(|| format!("loading {}", path.display()))
 }
 
 pub fn precision_name(p: Precision) -> &'static str {
@@ -389,8 +433,6 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
         .into_iter()
         .map(|s| Message::new(Role::System, s))
         .collect();
-    // The text the live session represents, to prefill only what a turn adds.
-    let mut fed = String::new();
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
     eprintln!("type a message; /reset clears the conversation, /exit quits");
@@ -411,41 +453,45 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
                 }
                 history.retain(|m| m.role == Role::System);
                 session.reset();
-                fed.clear();
                 eprintln!("(conversation cleared)");
                 continue;
             }
             _ => {}
         }
         history.push(Message::new(Role::User, line));
-        let full = template.render(
+        let prompt = template.render(
             &history,
             &RenderOptions {
                 add_generation_prompt: true,
                 ..Default::default()
             },
         );
+        let own = encode_prompt(tok, &prompt);
         let t0 = Instant::now();
         let mut restored = 0;
-        let reused_live = !session.tokens().is_empty() && full.starts_with(fed.as_str());
+        // The live session continues when its text is a prefix of the prompt's
+        // with control tokens in the same places.
+        let mut rest = (!session.tokens().is_empty())
+            .then(|| tok.continuation(session.tokens(), &own))
+            .flatten();
+        let reused_live = rest.is_some();
         if !reused_live {
             if let Some(p) = &mut persist {
                 p.save(&session, SaveReason::Evict);
             }
             session.reset();
-            fed.clear();
             if let Some(p) = &mut persist {
-                let covered = p.restore(&mut session, full.as_bytes());
-                if full.is_char_boundary(covered) {
-                    fed = full[..covered].to_string();
-                    restored = session.tokens().len();
-                } else {
-                    session.reset();
+                if p.restore(&mut session, prompt.as_str().as_bytes()) > 0 {
+                    rest = tok.continuation(session.tokens(), &own);
+                    match rest {
+                        Some(_) => restored = session.tokens().len(),
+                        None => session.reset(),
+                    }
                 }
             }
         }
         let restore_s = t0.elapsed().as_secs_f64();
-        let ids = tok.encode(&full[fed.len()..], false, true);
+        let ids = rest.unwrap_or(own);
         let t1 = Instant::now();
         let cold = !reused_live && restored == 0;
         let prefilled = match &mut persist {
@@ -455,24 +501,23 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
         if let Err(e) = prefilled {
             history.pop();
             session.reset();
-            fed.clear();
             eprintln!("error: {e}; the conversation was reset");
             continue;
         }
         let prefill_s = t1.elapsed().as_secs_f64();
-        fed = full;
 
         let t2 = Instant::now();
         let mut reply = Vec::new();
         let mut stream = StreamDecoder::default();
         let mut n_gen = 0;
-        let mut closed_by = None;
         while n_gen < a.sampling.n_predict {
             let next = sampler.sample(session.logits()?);
             n_gen += 1;
             if tok.is_eog(next) {
-                // Feed the end-of-turn token so the session matches the rendered history.
-                closed_by = session.decode_step(next).is_ok().then_some(next);
+                // Feed the end-of-turn token so the session matches the rendered
+                // history (with a full context it does not, and the next turn
+                // is prefilled from the start).
+                let _ = session.decode_step(next);
                 break;
             }
             let piece = tok.token_piece(next, false);
@@ -489,10 +534,6 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
         }
         writeln!(out, "{}", stream.finish())?;
         let reply = String::from_utf8_lossy(&reply).into_owned();
-        fed.push_str(&reply);
-        if let Some(end) = closed_by {
-            fed.push_str(&String::from_utf8_lossy(tok.token_piece(end, true)));
-        }
         history.push(Message::new(Role::Assistant, reply));
         let source = match (reused_live, restored) {
             (true, _) => "live session".to_string(),

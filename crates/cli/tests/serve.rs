@@ -319,7 +319,7 @@ fn a_client_that_disconnects_mid_stream_cancels_and_leaves_the_session_usable() 
     let mut s = TcpStream::connect(("127.0.0.1", srv.port)).unwrap();
     write!(
         s,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();

@@ -18,7 +18,8 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::error::{Defect, KvError};
 use crate::format::{
     decode_sections, encode_sections, hex, parse_checkpoint_name, parse_hash, parse_temp_name,
-    text_hash, Header, ModelId, SaveReason, Section, FORMAT_VERSION, HEADER_LEN, USAGE_OFFSET,
+    text_hash, Header, Mismatch, ModelId, SaveReason, Section, FORMAT_VERSION, HEADER_LEN,
+    USAGE_OFFSET,
 };
 use crate::policy::SavePolicy;
 use crate::score::eviction_score;
@@ -503,17 +504,17 @@ impl Store {
 
     // ----------------------------------------------------------------- lookup
 
-    fn compatible(&self, h: &Header, model: &ModelId, n_ctx: u32) -> Result<(), &'static str> {
-        if h.model.model_fp != model.model_fp {
-            return Err("model fingerprint differs");
+    fn compatible(&self, h: &Header, model: &ModelId, n_ctx: u32) -> Result<(), Mismatch> {
+        match Mismatch::of(
+            &h.model,
+            h.n_ctx,
+            model,
+            n_ctx,
+            self.config.reject_different_quant,
+        ) {
+            Some(m) => Err(m),
+            None => Ok(()),
         }
-        if self.config.reject_different_quant && h.model.quant_fp != model.quant_fp {
-            return Err("quant fingerprint differs");
-        }
-        if h.n_ctx > n_ctx {
-            return Err("saved with a larger context than the session's");
-        }
-        Ok(())
     }
 
     /// The compatible checkpoint whose text shares the longest byte prefix with
@@ -569,16 +570,47 @@ impl Store {
         model: &ModelId,
         n_ctx: u32,
     ) -> Result<Option<Candidate>, KvError> {
+        let found = self.longest_prefix(prompt, |h| self.compatible(h, model, n_ctx).is_ok())?;
+        Ok(found.map(|(hash, path, header)| Candidate {
+            hash,
+            path,
+            header,
+            model: *model,
+            n_ctx,
+        }))
+    }
+
+    /// The longest checkpoint whose text is a prefix of `prompt` that [`lookup`]
+    /// turned away for `model` and `n_ctx`, with why (for explaining a miss).
+    ///
+    /// [`lookup`]: Store::lookup
+    pub fn lookup_refused(
+        &self,
+        prompt: &[u8],
+        model: &ModelId,
+        n_ctx: u32,
+    ) -> Result<Option<(PathBuf, Header, Mismatch)>, KvError> {
+        let found = self.longest_prefix(prompt, |h| self.compatible(h, model, n_ctx).is_err())?;
+        Ok(found.and_then(|(_, path, h)| {
+            let why = self.compatible(&h, model, n_ctx).err()?;
+            Some((path, h, why))
+        }))
+    }
+
+    /// The longest entry that `keep` accepts whose text is a prefix of `prompt`:
+    /// its hash, path and header.
+    fn longest_prefix(
+        &self,
+        prompt: &[u8],
+        keep: impl Fn(&Header) -> bool,
+    ) -> Result<Option<(String, PathBuf, Header)>, KvError> {
         let mut st = self.lock();
         self.scan(&mut st)?;
         let mut cands: Vec<(&String, &Entry)> = st
             .files
             .iter()
             .filter_map(|(n, s)| s.result.as_ref().ok().map(|e| (n, e)))
-            .filter(|(_, e)| {
-                e.header.text_bytes <= prompt.len() as u64
-                    && self.compatible(&e.header, model, n_ctx).is_ok()
-            })
+            .filter(|(_, e)| e.header.text_bytes <= prompt.len() as u64 && keep(&e.header))
             .collect();
         cands.sort_by_key(|(_, e)| e.header.text_bytes);
         let mut hasher = Sha1::new();
@@ -593,12 +625,12 @@ impl Store {
                 best = Some((name, e));
             }
         }
-        Ok(best.map(|(name, e)| Candidate {
-            hash: name.trim_end_matches(".kv").to_string(),
-            path: self.dir.join(name),
-            header: e.header.clone(),
-            model: *model,
-            n_ctx,
+        Ok(best.map(|(name, e)| {
+            (
+                name.trim_end_matches(".kv").to_string(),
+                self.dir.join(name),
+                e.header.clone(),
+            )
         }))
     }
 
@@ -623,9 +655,9 @@ impl Store {
             .ok_or_else(|| KvError::InvalidRequest(format!("bad hash {:?}", cand.hash)))?;
         let res = read_checked(&file, &hash, Keep::All, |h| {
             self.compatible(h, &cand.model, cand.n_ctx)
-                .map_err(|what| KvError::Changed {
+                .map_err(|m| KvError::Changed {
                     path: path.clone(),
-                    what,
+                    what: m.as_str(),
                 })?;
             if h.text_bytes > prompt.len() as u64 {
                 return Err(KvError::Changed {

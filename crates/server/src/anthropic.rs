@@ -37,6 +37,7 @@ use crate::dialect::{
     Request,
 };
 use crate::http::{self, AppState};
+use crate::prepare::{self, Refusal};
 use crate::turn::{CallOut, Piece, Turn};
 use crate::worker::{FinishReason, Overflow, Usage};
 
@@ -448,6 +449,7 @@ pub fn error_body(status: StatusCode, message: &str, kind: ErrorKind) -> Value {
         _ if status == StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
         ErrorKind::InvalidRequest | ErrorKind::ContextLength => "invalid_request_error",
         ErrorKind::Authentication => "authentication_error",
+        ErrorKind::Forbidden => "permission_error",
         ErrorKind::NotFound => "not_found_error",
         ErrorKind::Overloaded => "overloaded_error",
         ErrorKind::Server => "api_error",
@@ -676,35 +678,24 @@ impl Dialect for Anthropic {
 /// `POST /v1/messages`.
 pub(crate) async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let d: Arc<dyn Dialect> = Arc::new(Anthropic::default());
-    match parse_messages(&body) {
+    match http::cpu(&st, move |_| parse_messages(&body)).await {
         Ok(p) => http::run(st, p, d).await,
         Err(e) => d.bad_request(e),
     }
 }
 
 /// `POST /v1/messages/count_tokens`: the tokens of the rendered prompt, tokenized
-/// as the worker tokenizes a cold prompt.
+/// as a cold prompt is.
 pub(crate) async fn count_tokens(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let d = Anthropic::default();
-    let mut p = match parse_count_tokens(&body) {
-        Ok(p) => p,
-        Err(e) => return d.bad_request(e),
-    };
-    let prompt = match http::render(&st, &mut p) {
-        Ok(r) => r.prompt,
-        Err(msg) => return d.error(StatusCode::BAD_REQUEST, msg, ErrorKind::InvalidRequest),
-    };
-    // Tokenizing a long conversation is CPU work: keep it off the async threads.
-    let model = Arc::clone(&st.model);
-    match tokio::task::spawn_blocking(move || model.tokenizer.encode(&prompt, true, true).len())
-        .await
-    {
+    let counted = http::cpu(&st, move |st| {
+        let p = parse_count_tokens(&body).map_err(|e| Refusal::Invalid(e.message))?;
+        prepare::count_tokens(st, p)
+    })
+    .await;
+    match counted {
         Ok(n) => Json(json!({ "input_tokens": n })).into_response(),
-        Err(e) => d.error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            &format!("tokenizer failed: {e}"),
-            ErrorKind::Server,
-        ),
+        Err(r) => http::refuse(&d, r),
     }
 }
 
@@ -817,6 +808,7 @@ mod tests {
         let d = Anthropic::default();
         let prompt_only = Overflow {
             prompt_tokens: 21400,
+            at_least: false,
             max_tokens: None,
             n_ctx: 8192,
         };

@@ -136,6 +136,8 @@ pub enum ErrorKind {
     InvalidRequest,
     ContextLength,
     Authentication,
+    /// Refused whoever asks (a `Host` this server does not answer).
+    Forbidden,
     NotFound,
     Overloaded,
     Server,
@@ -253,13 +255,14 @@ pub trait Dialect: Send + Sync + 'static {
     /// `context_length_exceeded`, which Codex and opencode act on) unless the
     /// dialect says otherwise.
     fn overflow_message(&self, o: &Overflow) -> String {
+        let at_least = if o.at_least { "at least " } else { "" };
         match o.max_tokens {
             None => format!(
-                "This model's maximum context length is {} tokens. However, your messages resulted in {} tokens. Please reduce the length of the messages.",
+                "This model's maximum context length is {} tokens. However, your messages resulted in {at_least}{} tokens. Please reduce the length of the messages.",
                 o.n_ctx, o.prompt_tokens
             ),
             Some(m) => format!(
-                "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the messages, {m} in the completion). Please reduce the length of the messages or completion.",
+                "This model's maximum context length is {} tokens. However, you requested {at_least}{} tokens ({at_least}{} in the messages, {m} in the completion). Please reduce the length of the messages or completion.",
                 o.n_ctx,
                 o.prompt_tokens + m,
                 o.prompt_tokens

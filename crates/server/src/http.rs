@@ -9,28 +9,28 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Request as HttpRequest, State};
-use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
-use axum::middleware::{self, Next};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use ds4_chat::tools::ToolParser;
-use ds4_chat::{ChatMl, RenderOptions, Template, ThinkMode};
+use ds4_chat::{ChatMl, Template, ThinkMode};
 use ds4_engine::Model;
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::dialect::{Dialect, ErrorKind, Gen, Input, Request};
+use crate::dialect::{Dialect, ErrorKind, Gen, Request};
 use crate::metrics::Metrics;
 use crate::normalize::Normalizer;
 use crate::openai::{self, Kind, OpenAi};
-use crate::tooling::{ReplayStats, ToolMemory};
+use crate::prepare::{prepare, Refusal};
+use crate::tooling::ToolMemory;
 use crate::trace::Trace;
 use crate::turn::{Shaper, Turn};
 use crate::worker::{
-    Event, FinishReason, Gate, Job, JobError, SubmitError, TokenLimit, Usage, WorkerHandle,
+    Event, FinishReason, Job, JobError, SubmitError, TokenLimit, Usage, WorkerHandle,
 };
 
 /// Server settings.
@@ -38,7 +38,13 @@ use crate::worker::{
 pub struct ServerConfig {
     pub api_key: Option<String>,
     pub cors: bool,
-    pub max_body_bytes: usize,
+    /// The largest request body; `None`: [`default_body_limit`] of the context.
+    pub max_body_bytes: Option<usize>,
+    /// Time allowed to receive a request's body.
+    pub body_timeout: Duration,
+    /// `Some` when the server listens on loopback: the `Host` names it answers
+    /// besides loopback ones (`--allowed-host`); `None`: any Host.
+    pub allowed_hosts: Option<Vec<String>>,
     /// Generation limit when a request gives none.
     pub default_max_tokens: usize,
     /// The id `/v1/models` lists and responses echo by default.
@@ -55,7 +61,9 @@ impl Default for ServerConfig {
         ServerConfig {
             api_key: None,
             cors: false,
-            max_body_bytes: 32 << 20,
+            max_body_bytes: None,
+            body_timeout: Duration::from_secs(60),
+            allowed_hosts: Some(vec![]),
             default_max_tokens: 512,
             model_name: "ds4".into(),
             normalize: Some(vec![]),
@@ -66,6 +74,8 @@ impl Default for ServerConfig {
 
 pub(crate) struct AppState {
     pub cfg: ServerConfig,
+    /// The body cap in force (the setting, or the context's default).
+    pub max_body_bytes: usize,
     pub worker: WorkerHandle,
     /// The served model, for tokenizing on the HTTP side (token counts).
     pub model: Arc<Model>,
@@ -74,8 +84,22 @@ pub(crate) struct AppState {
     pub grammar: Result<ds4_grammar::Vocab, String>,
     pub metrics: Arc<Metrics>,
     pub tool_memory: Arc<ToolMemory>,
-    trace: Option<Arc<Trace>>,
-    normalizer: Normalizer,
+    pub trace: Option<Arc<Trace>>,
+    pub normalizer: Normalizer,
+    /// Permits for request CPU work ([`cpu`]): one per core.
+    cpu_slots: tokio::sync::Semaphore,
+}
+
+/// The default body cap: six bytes of JSON (a `\u0000` escape) for every byte
+/// a full context can hold (`n_ctx` tokens of the longest piece), at least 1
+/// MiB. A body is read whole before anything else, so this is what one request
+/// can make the server hold: 1.9 MiB at 4096 tokens of SmolLM2 (81-byte longest
+/// token), 15.2 MiB at 32768.
+pub fn default_body_limit(tok: &ds4_engine::Tokenizer, n_ctx: usize) -> usize {
+    n_ctx
+        .saturating_mul(tok.longest_piece())
+        .saturating_mul(6)
+        .max(1 << 20)
 }
 
 /// Builds the router over a running worker of `model`; `tool_memory` is shared
@@ -88,7 +112,9 @@ pub fn router(
     tool_memory: Arc<ToolMemory>,
     trace: Option<Arc<Trace>>,
 ) -> Result<Router, regex::Error> {
-    let max_body = cfg.max_body_bytes;
+    let max_body = cfg
+        .max_body_bytes
+        .unwrap_or_else(|| default_body_limit(&model.tokenizer, cfg.n_ctx));
     let template = model
         .chat_template()
         .and_then(ChatMl::from_template)
@@ -109,6 +135,7 @@ pub fn router(
     };
     let state = Arc::new(AppState {
         cfg,
+        max_body_bytes: max_body,
         worker,
         model,
         template,
@@ -117,6 +144,9 @@ pub fn router(
         tool_memory,
         trace,
         normalizer,
+        cpu_slots: tokio::sync::Semaphore::new(
+            std::thread::available_parallelism().map_or(2, |n| n.get()),
+        ),
     });
     Ok(Router::new()
         .route("/v1/chat/completions", post(chat_completions))
@@ -134,13 +164,16 @@ pub fn router(
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body))
-        .layer(middleware::from_fn_with_state(Arc::clone(&state), guard))
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            crate::admit::guard,
+        ))
         .with_state(state))
 }
 
 /// The dialect whose error shape answers a request to `path` that no handler
 /// parsed (authentication, body size, unknown routes).
-fn dialect_for_path(path: &str) -> Arc<dyn Dialect> {
+pub(crate) fn dialect_for_path(path: &str) -> Arc<dyn Dialect> {
     if path.starts_with("/v1/messages") {
         return Arc::new(crate::anthropic::Anthropic::default());
     }
@@ -165,69 +198,9 @@ async fn method_not_allowed(req: HttpRequest) -> Response {
     )
 }
 
-/// API key check, CORS headers and preflight, and dialect-shaped errors for
-/// oversized bodies.
-async fn guard(State(st): State<Arc<AppState>>, req: HttpRequest, next: Next) -> Response {
-    let path = req.uri().path().to_string();
-    let d = dialect_for_path(&path);
-    let mut r = if req.method() == Method::OPTIONS {
-        StatusCode::NO_CONTENT.into_response()
-    } else if !authorized(&st.cfg, req.headers()) {
-        d.error(
-            StatusCode::UNAUTHORIZED,
-            "invalid or missing API key (send `Authorization: Bearer KEY` or `x-api-key: KEY`)",
-            ErrorKind::Authentication,
-        )
-    } else {
-        let r = ROUTE.scope(path.clone(), next.run(req)).await;
-        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            let msg = format!(
-                "request body is larger than --max-body-bytes ({})",
-                st.cfg.max_body_bytes
-            );
-            d.error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                &msg,
-                ErrorKind::InvalidRequest,
-            )
-        } else {
-            r
-        }
-    };
-    if st.cfg.cors {
-        add_cors(r.headers_mut());
-    }
-    st.metrics.request(&path, r.status().as_u16());
-    r
-}
-
 tokio::task_local! {
     /// The path of the request a handler is serving, for the trace.
-    static ROUTE: String;
-}
-
-fn authorized(cfg: &ServerConfig, h: &HeaderMap) -> bool {
-    let Some(key) = &cfg.api_key else {
-        return true;
-    };
-    let bearer = h
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok());
-    bearer == Some(key.as_str()) || x_api_key == Some(key.as_str())
-}
-
-fn add_cors(h: &mut HeaderMap) {
-    h.insert("access-control-allow-origin", HeaderValue::from_static("*"));
-    h.insert(
-        "access-control-allow-methods",
-        HeaderValue::from_static("GET, POST, OPTIONS"),
-    );
-    h.insert(
-        "access-control-allow-headers",
-        HeaderValue::from_static("*"),
-    );
+    pub(crate) static ROUTE: String;
 }
 
 async fn metrics_text(State(st): State<Arc<AppState>>) -> Response {
@@ -257,7 +230,7 @@ async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
 
 async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let d: Arc<dyn Dialect> = Arc::new(OpenAi(Kind::Chat));
-    match openai::parse_chat(&body) {
+    match cpu(&st, move |_| openai::parse_chat(&body)).await {
         Ok(p) => run(st, p, d).await,
         Err(e) => d.bad_request(e),
     }
@@ -265,7 +238,7 @@ async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Respo
 
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let d: Arc<dyn Dialect> = Arc::new(OpenAi(Kind::Completion));
-    match openai::parse_completion(&body) {
+    match cpu(&st, move |_| openai::parse_completion(&body)).await {
         Ok(p) => run(st, p, d).await,
         Err(e) => d.bad_request(e),
     }
@@ -275,6 +248,34 @@ fn now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+/// Runs CPU work of a request (parsing, rendering, tokenizing, compiling a
+/// grammar) on a blocking thread, at most one per core at a time, so that
+/// neither the async threads nor the engine wait for it. A panic in `f`
+/// propagates as if it had run here.
+pub(crate) async fn cpu<T: Send + 'static>(
+    st: &Arc<AppState>,
+    f: impl FnOnce(&AppState) -> T + Send + 'static,
+) -> T {
+    let _slot = st.cpu_slots.acquire().await;
+    let st = Arc::clone(st);
+    match tokio::task::spawn_blocking(move || f(&st)).await {
+        Ok(v) => v,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
+/// The 400 a refused request gets, in the dialect's shape.
+pub(crate) fn refuse(d: &dyn Dialect, r: Refusal) -> Response {
+    match r {
+        Refusal::Invalid(m) => d.error(StatusCode::BAD_REQUEST, &m, ErrorKind::InvalidRequest),
+        Refusal::Overflow(o) => job_error(d, &JobError::ContextLength(o)),
+        Refusal::Schema(m) => d.bad_request(crate::dialect::BadRequest::new(
+            format!("the output schema cannot be used: {m}"),
+            None,
+        )),
+    }
 }
 
 /// The error response a job failure turns into, in the dialect's shape.
@@ -294,170 +295,22 @@ fn job_error(d: &dyn Dialect, e: &JobError) -> Response {
     d.error(status, &e.to_string(), kind)
 }
 
-/// A request rendered for the engine.
-pub(crate) struct Rendered {
-    pub prompt: String,
-    /// How the output is read back: tool calls when tools are active.
-    pub parser: Option<Box<dyn ToolParser>>,
-    /// The forced opening of a tool call the prompt ends with, if any.
-    pub forced: Option<String>,
-    /// The thinking mode the prompt was rendered in.
-    pub think: ThinkMode,
-    pub replay: ReplayStats,
-    /// Byte offsets of the client's cache breakpoints in `prompt`.
-    pub breakpoints: Vec<usize>,
-    pub grammar: Option<GrammarPlan>,
-}
-
-/// What the output of a request is held to.
-pub(crate) enum GrammarPlan {
-    /// A forced tool call (the prompt ends with the call's opening): the
-    /// family's call grammar from the first token.
-    ForcedCall(String),
-    /// Tools offered, the model free to call one: the call grammar once it
-    /// writes the opening (`trigger`) itself.
-    Call {
-        trigger: &'static str,
-        grammar: String,
-    },
-    /// Structured output: JSON valid against the request's schema.
-    Json(String),
-}
-
-/// Renders a request: a raw prompt as is, messages (normalised, with remembered
-/// tool-call text attached) with the model's chat template.
-pub(crate) fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'static str> {
-    let (messages, t) = match (&mut p.input, &st.template) {
-        (Input::Raw(s), _) => {
-            return Ok(Rendered {
-                prompt: s.clone(),
-                parser: None,
-                forced: None,
-                think: ThinkMode::None,
-                replay: ReplayStats::default(),
-                breakpoints: vec![],
-                grammar: json_plan(&p.agent),
-            })
-        }
-        (Input::Messages(m), Some(t)) => (m, t),
-        (Input::Messages(_), None) => {
-            return Err("this model has no chat template; use /v1/completions")
-        }
-    };
-    st.normalizer.apply(messages);
-    let replay = st.tool_memory.attach(messages);
-    let think = if t.supports_thinking() {
-        p.agent.think.for_context(st.cfg.n_ctx)
-    } else {
-        ThinkMode::None
-    };
-    let tools = p.agent.active_tools();
-    let mut prompt = t.render(
-        messages,
-        &RenderOptions {
-            tools,
-            think,
-            add_generation_prompt: true,
-        },
-    );
-    let syntax = t.tool_syntax();
-    let forced = if tools.is_empty() {
-        None
-    } else {
-        syntax.forced_prefix(&p.agent.tool_choice)
-    };
-    // A breakpoint is the end of its message: where rendering the conversation up
-    // to it ends, when that is a prefix of the prompt (append-only templates).
-    let breakpoints = p
-        .agent
-        .cache_breakpoints
-        .iter()
-        .filter_map(|&i| {
-            let upto = messages.get(..=i)?;
-            let prefix = t.render(
-                upto,
-                &RenderOptions {
-                    tools,
-                    think,
-                    add_generation_prompt: false,
-                },
-            );
-            prompt.starts_with(&prefix).then_some(prefix.len())
-        })
-        .collect();
-    if let Some(f) = &forced {
-        prompt.push_str(f);
-    }
-    // A forced call first, then structured output, then a call the model may open.
-    let call_grammar = syntax.call_grammar(tools, &p.agent.tool_choice, !p.agent.single_call);
-    let grammar = match (forced.is_some(), call_grammar, syntax.call_trigger()) {
-        (true, Some(g), _) => Some(GrammarPlan::ForcedCall(g)),
-        (false, Some(grammar), Some(trigger)) if p.agent.json_schema.is_none() => {
-            Some(GrammarPlan::Call { trigger, grammar })
-        }
-        _ => json_plan(&p.agent),
-    };
-    Ok(Rendered {
-        prompt,
-        breakpoints,
-        grammar,
-        parser: (!tools.is_empty()).then(|| syntax.parser(tools)),
-        forced,
-        think,
-        replay,
-    })
-}
-
-/// Structured output's plan: one JSON value valid against the request's schema.
-fn json_plan(agent: &crate::dialect::AgentOptions) -> Option<GrammarPlan> {
-    let schema = agent.json_schema.as_ref()?;
-    Some(GrammarPlan::Json(format!(
-        "start: {}",
-        ds4_chat::tools::json_rule(schema)
-    )))
-}
-
-/// Compiles a request's grammar plan. A tool-call grammar that does not compile
-/// (a schema the engine cannot hold) leaves the call unconstrained — parsed as
-/// before, with a trace note; a structured-output schema that does not compile
-/// is the client's to fix (400).
-fn compile(st: &AppState, id: &str, plan: GrammarPlan) -> Result<Option<Gate>, String> {
-    let vocab = match &st.grammar {
-        Ok(v) => v,
-        Err(why) => {
-            return match plan {
-                GrammarPlan::Json(_) => Err(format!(
-                    "structured output is not available for this model: {why}"
-                )),
-                _ => Ok(None),
-            }
-        }
-    };
-    let (text, trigger) = match &plan {
-        GrammarPlan::ForcedCall(g) | GrammarPlan::Json(g) => (g, None),
-        GrammarPlan::Call { trigger, grammar } => (grammar, Some(*trigger)),
-    };
-    match vocab.constraint(text) {
-        Ok(constraint) => Ok(Some(Gate {
-            constraint,
-            trigger,
-        })),
-        Err(e) if matches!(plan, GrammarPlan::Json(_)) => Err(e.to_string()),
-        Err(e) => {
-            if let Some(t) = &st.trace {
-                t.write(json!({ "event": "grammar_unusable", "id": id, "error": e.to_string() }));
-            }
-            Ok(None)
-        }
-    }
-}
-
 /// Runs a parsed request of any dialect: renders the prompt, queues the job and
 /// answers in the dialect's JSON or SSE shape.
-pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) -> Response {
-    let r = match render(&st, &mut p) {
+pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> Response {
+    // Random, not a per-process counter: ids do not reveal how many requests
+    // the server has served, nor repeat after a restart.
+    let id = crate::tooling::random_id(&format!("{}-", d.id_prefix()));
+    let job_id = id.clone();
+    let (p, prepared) = cpu(&st, move |st| {
+        let mut p = p;
+        let r = prepare(st, &mut p, &job_id);
+        (p, r)
+    })
+    .await;
+    let r = match prepared {
         Ok(r) => r,
-        Err(msg) => return d.error(StatusCode::BAD_REQUEST, msg, ErrorKind::InvalidRequest),
+        Err(refusal) => return refuse(d.as_ref(), refusal),
     };
     let mut sampling = p.sampling.clone();
     if r.think != ThinkMode::None {
@@ -472,47 +325,18 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
     }
     let shaper = Shaper::new(r.think, r.parser, r.forced.as_deref(), d.call_id_prefix());
     let (tx, mut rx) = mpsc::channel(256);
-    // Random, not a per-process counter: ids do not reveal how many requests
-    // the server has served, nor repeat after a restart.
-    let id = crate::tooling::random_id(&format!("{}-", d.id_prefix()));
-    let gate = match r.grammar {
-        None => None,
-        Some(plan) => {
-            // Compiling a grammar (dozens of tool schemas) is CPU work: off the
-            // async threads.
-            let (st2, id2) = (Arc::clone(&st), id.clone());
-            match tokio::task::spawn_blocking(move || compile(&st2, &id2, plan)).await {
-                Ok(Ok(g)) => g,
-                Ok(Err(msg)) => {
-                    return d.bad_request(crate::dialect::BadRequest::new(
-                        format!("the output schema cannot be used: {msg}"),
-                        None,
-                    ))
-                }
-                Err(e) => {
-                    return d.error(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        &format!("grammar compilation failed: {e}"),
-                        ErrorKind::Server,
-                    )
-                }
-            }
-        }
-    };
     let job = Job {
         id: id.clone(),
         route: ROUTE.try_with(Clone::clone).unwrap_or_default(),
         prompt: r.prompt,
+        ids: r.ids,
         sampling,
-        limit: match p.max_tokens {
-            Some(m) => TokenLimit::Requested(m),
-            None => TokenLimit::Default(st.cfg.default_max_tokens),
-        },
+        limit: TokenLimit::of(p.max_tokens, st.cfg.default_max_tokens),
         stop: p.stop.clone(),
         replay: r.replay,
         cache_key: p.agent.cache_key.clone(),
         breakpoints: r.breakpoints,
-        gate,
+        gate: r.gate,
         events: tx,
     };
     match st.worker.submit(job) {

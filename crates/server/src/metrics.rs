@@ -7,6 +7,7 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
+use crate::persist::StoreUsage;
 use crate::worker::CacheSource;
 
 #[derive(Default)]
@@ -22,6 +23,8 @@ pub struct Metrics {
     kv_files: AtomicU64,
     kv_bytes: AtomicU64,
     kv_evictions: AtomicU64,
+    kv_save_failures: AtomicU64,
+    connections_refused: AtomicU64,
 }
 
 const SOURCES: [CacheSource; 4] = [
@@ -80,11 +83,18 @@ impl Metrics {
         }
     }
 
-    /// The checkpoint store's current size and its evictions so far.
-    pub fn store(&self, files: usize, bytes: u64, evictions: u64) {
-        self.kv_files.store(files as u64, Ordering::Relaxed);
-        self.kv_bytes.store(bytes, Ordering::Relaxed);
-        self.kv_evictions.store(evictions, Ordering::Relaxed);
+    /// The checkpoint store's current size, its evictions and failed saves so far.
+    pub fn store(&self, u: &StoreUsage) {
+        self.kv_files.store(u.files as u64, Ordering::Relaxed);
+        self.kv_bytes.store(u.bytes, Ordering::Relaxed);
+        self.kv_evictions.store(u.evictions, Ordering::Relaxed);
+        self.kv_save_failures
+            .store(u.save_failures, Ordering::Relaxed);
+    }
+
+    /// Counts a connection refused at the connection cap; returns the count.
+    pub fn connection_refused(&self) -> u64 {
+        self.connections_refused.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// The Prometheus text exposition.
@@ -178,6 +188,18 @@ impl Metrics {
             "Checkpoints evicted to stay under budget.",
             load(&self.kv_evictions).to_string(),
         );
+        counter(
+            &mut out,
+            "ds4_kv_store_save_failures_total",
+            "Checkpoint saves that failed (full disk, permissions, I/O errors).",
+            load(&self.kv_save_failures).to_string(),
+        );
+        counter(
+            &mut out,
+            "ds4_connections_refused_total",
+            "Connections refused at --max-connections.",
+            load(&self.connections_refused).to_string(),
+        );
         gauge(
             &mut out,
             "ds4_queue_depth",
@@ -206,7 +228,13 @@ mod tests {
             decode_s: 0.25,
             source: CacheSource::MemoryText,
         });
-        m.store(2, 1000, 1);
+        m.store(&StoreUsage {
+            files: 2,
+            bytes: 1000,
+            evictions: 1,
+            save_failures: 4,
+        });
+        m.connection_refused();
         let t = m.render(3);
         for line in [
             "ds4_requests_total{route=\"/v1/chat/completions\",status=\"200\"} 2",
@@ -220,6 +248,8 @@ mod tests {
             "ds4_kv_store_files 2",
             "ds4_kv_store_bytes 1000",
             "ds4_kv_store_evictions_total 1",
+            "ds4_kv_store_save_failures_total 4",
+            "ds4_connections_refused_total 1",
             "ds4_queue_depth 3",
         ] {
             assert!(t.lines().any(|l| l == line), "{line:?} missing from\n{t}");

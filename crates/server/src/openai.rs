@@ -438,6 +438,7 @@ pub fn error_body(message: &str, kind: ErrorKind, param: Option<&str>) -> Value 
         ErrorKind::InvalidRequest => ("invalid_request_error", None),
         ErrorKind::ContextLength => ("invalid_request_error", Some("context_length_exceeded")),
         ErrorKind::Authentication => ("authentication_error", Some("invalid_api_key")),
+        ErrorKind::Forbidden => ("permission_error", None),
         ErrorKind::NotFound => ("not_found_error", None),
         ErrorKind::Overloaded => ("server_error", Some("overloaded")),
         ErrorKind::Server => ("server_error", None),
@@ -634,6 +635,7 @@ mod tests {
         let d = OpenAi(Kind::Chat);
         let o = Overflow {
             prompt_tokens: 9000,
+            at_least: false,
             max_tokens: None,
             n_ctx: 8192,
         };
@@ -642,6 +644,7 @@ mod tests {
             .starts_with("This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens."));
         let o = Overflow {
             prompt_tokens: 7000,
+            at_least: false,
             max_tokens: Some(2000),
             ..o
         };

@@ -26,6 +26,17 @@ pub fn report_notices(store: &Store) -> u64 {
     evictions
 }
 
+/// What the store holds and what this process's saves did to it (`/metrics`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreUsage {
+    pub files: usize,
+    pub bytes: u64,
+    /// Checkpoints evicted by this process's saves.
+    pub evictions: u64,
+    /// Saves that failed (a full disk, permissions, I/O errors).
+    pub save_failures: u64,
+}
+
 /// How a caller runs one stretch of prefill (with or without a progress bar).
 pub type PrefillFn<'a> = dyn FnMut(&mut Session, &[u32]) -> Result<(), EngineError> + 'a;
 
@@ -40,6 +51,8 @@ pub struct Persist {
     saved_tokens: usize,
     /// Checkpoints evicted by this process's saves.
     evictions: u64,
+    /// Saves that failed (full disk, permissions, I/O errors).
+    save_failures: u64,
     /// The file of the last checkpoint restored or saved, for the trace.
     pub last_file: Option<std::path::PathBuf>,
     /// Exact tool-call text saved with checkpoints and reloaded on a hit.
@@ -51,6 +64,19 @@ pub struct Persist {
     pub kv_type_skips: u64,
 }
 
+/// What `session`'s checkpoints are filed under: its state fingerprint (the
+/// model's layout, folded with the K/V type and RoPE scaling, so an f16
+/// checkpoint never serves an f32 session nor the reverse), the quantization
+/// and the weights.
+pub fn model_id(session: &Session) -> ModelId {
+    let fp = session.model().fingerprint;
+    ModelId {
+        model_fp: session.state_fingerprint(),
+        quant_fp: fp.quant,
+        weights_fp: fp.weights,
+    }
+}
+
 impl Persist {
     pub fn new(store: Store, session: &Session) -> Self {
         let fp = session.model().fingerprint;
@@ -58,17 +84,14 @@ impl Persist {
             KvType::F32 => KvType::F16,
             KvType::F16 => KvType::F32,
         };
+        let model = model_id(session);
         Persist {
             store,
-            model: ModelId {
-                // Differs per K/V type: an f16 checkpoint is never offered to an
-                // f32 session, nor the reverse (`Session::state_fingerprint`).
-                model_fp: session.state_fingerprint(),
-                quant_fp: fp.quant,
-            },
+            model,
             continued_frontier: 0,
             saved_tokens: 0,
             evictions: 0,
+            save_failures: 0,
             last_file: None,
             tool_memory: None,
             kv_type: session.kv_type(),
@@ -80,7 +103,7 @@ impl Persist {
                     model_fp: session
                         .rope_scaling()
                         .fold_fingerprint(other.state_fingerprint(&fp)),
-                    quant_fp: fp.quant,
+                    ..model
                 },
             ),
             kv_type_skips: 0,
@@ -97,10 +120,15 @@ impl Persist {
         self.saved_tokens
     }
 
-    /// Files and bytes in the store, and evictions caused by this process.
-    pub fn store_usage(&self) -> (usize, u64, u64) {
+    /// What the store holds, and what this process's saves did to it.
+    pub fn store_usage(&self) -> StoreUsage {
         let (files, bytes) = self.store.usage();
-        (files, bytes, self.evictions)
+        StoreUsage {
+            files,
+            bytes,
+            evictions: self.evictions,
+            save_failures: self.save_failures,
+        }
     }
 
     pub fn policy(&self) -> SavePolicy {
@@ -128,7 +156,7 @@ impl Persist {
         {
             Ok(Some(c)) if c.header.tokens as usize >= self.policy().min_tokens => c,
             Ok(_) => {
-                self.notice_other_kv_type(prompt, session.n_ctx());
+                self.explain_miss(prompt, session.n_ctx());
                 return 0;
             }
             Err(e) => {
@@ -177,21 +205,34 @@ impl Persist {
         loaded.text.len()
     }
 
-    /// After a miss: says so when a checkpoint of the other K/V type would have
-    /// matched (it is never loaded: its rows were rounded differently).
-    fn notice_other_kv_type(&mut self, prompt: &[u8], n_ctx: usize) {
+    /// After a miss: says which checkpoint would have served the prompt and why
+    /// it was not loaded — saved by other weights, before weights were
+    /// recorded, with the other K/V type (its rows were rounded differently),
+    /// another model or a larger context.
+    fn explain_miss(&mut self, prompt: &[u8], n_ctx: usize) {
+        let Ok(Some((path, h, why))) = self.store.lookup_refused(prompt, &self.model, n_ctx as u32)
+        else {
+            return;
+        };
+        if (h.tokens as usize) < self.policy().min_tokens {
+            return;
+        }
         let (other, id) = self.other_kv;
-        if let Ok(Some(c)) = self.store.lookup(prompt, &id, n_ctx as u32) {
-            if c.header.tokens as usize >= self.policy().min_tokens {
-                self.kv_type_skips += 1;
-                eprintln!(
-                    "kv cache: skipped {} ({} tokens): saved with {other} K/V, this session \
-                     stores {} (--kv-type)",
-                    c.path.display(),
-                    c.header.tokens,
-                    self.kv_type
-                );
-            }
+        if h.model.model_fp == id.model_fp {
+            self.kv_type_skips += 1;
+            eprintln!(
+                "kv cache: skipped {} ({} tokens): saved with {other} K/V, this session \
+                 stores {} (--kv-type)",
+                path.display(),
+                h.tokens,
+                self.kv_type
+            );
+        } else {
+            eprintln!(
+                "kv cache: not loading {} ({} tokens, its text is a prefix of the prompt): {why}",
+                path.display(),
+                h.tokens
+            );
         }
     }
 
@@ -312,10 +353,13 @@ impl Persist {
             }
             Ok(SaveOutcome::Kept { .. }) => {}
             Ok(SaveOutcome::Skipped(why)) => eprintln!("kv cache save skipped tokens={n}: {why:?}"),
-            Err(e) => eprintln!(
-                "kv cache save failed tokens={n} reason={}: {e}",
-                reason.as_str()
-            ),
+            Err(e) => {
+                self.save_failures += 1;
+                eprintln!(
+                    "kv cache save failed tokens={n} reason={}: {e}",
+                    reason.as_str()
+                )
+            }
         }
         self.evictions += report_notices(&self.store);
     }
@@ -360,7 +404,7 @@ mod tests {
             s.prefill(&ids).unwrap();
             let mut p = Persist::new(open(), &s);
             p.save(&s, SaveReason::Shutdown);
-            assert_eq!(p.store_usage().0, 1, "{saver}: saved");
+            assert_eq!(p.store_usage().files, 1, "{saver}: saved");
             let prompt = model.tokenizer.prompt_text(s.tokens());
 
             let other = if saver == KvType::F16 {

@@ -365,7 +365,7 @@ fn content_text(v: Option<&Value>, i: usize) -> Result<String, BadRequest> {
 
 /// `POST /v1/responses`.
 pub(crate) async fn create(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    match parse(&body) {
+    match crate::http::cpu(&st, move |_| parse(&body)).await {
         Ok((p, d)) => run(st, p, Arc::new(d)).await,
         Err(e) => Responses::default().bad_request(e),
     }

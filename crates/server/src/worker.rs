@@ -47,6 +47,8 @@ pub struct Job {
     /// The HTTP route it came in on, for the trace.
     pub route: String,
     pub prompt: String,
+    /// The prompt's own tokens (control tokens only where its markup has them).
+    pub ids: Vec<u32>,
     pub sampling: SamplerConfig,
     pub limit: TokenLimit,
     pub stop: Vec<String>,
@@ -200,11 +202,20 @@ pub enum TokenLimit {
 }
 
 impl TokenLimit {
+    /// The client's `max_tokens`, else the server's default.
+    pub fn of(requested: Option<usize>, default: usize) -> Self {
+        match requested {
+            Some(m) => TokenLimit::Requested(m),
+            None => TokenLimit::Default(default),
+        }
+    }
+
     /// The most tokens this limit lets a prompt of `prompt_tokens` generate in
     /// a context of `n_ctx`, or why the request cannot run there.
     pub fn allowed(self, prompt_tokens: usize, n_ctx: usize) -> Result<usize, Overflow> {
         let overflow = |max_tokens| Overflow {
             prompt_tokens,
+            at_least: false,
             max_tokens,
             n_ctx,
         };
@@ -232,21 +243,25 @@ impl TokenLimit {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Overflow {
     pub prompt_tokens: usize,
+    /// `prompt_tokens` is a lower bound: the prompt was refused from its size,
+    /// before it was tokenized.
+    pub at_least: bool,
     pub max_tokens: Option<usize>,
     pub n_ctx: usize,
 }
 
 impl std::fmt::Display for Overflow {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let at_least = if self.at_least { "at least " } else { "" };
         match self.max_tokens {
             None => write!(
                 f,
-                "the prompt is {} tokens; this model's context of {} tokens leaves no room to generate",
+                "the prompt is {at_least}{} tokens; this model's context of {} tokens leaves no room to generate",
                 self.prompt_tokens, self.n_ctx
             ),
             Some(m) => write!(
                 f,
-                "the prompt ({} tokens) plus max_tokens ({m}) exceed this model's context of {} tokens",
+                "the prompt ({at_least}{} tokens) plus max_tokens ({m}) exceed this model's context of {} tokens",
                 self.prompt_tokens, self.n_ctx
             ),
         }
@@ -515,13 +530,14 @@ struct WorkerState {
 struct Held {
     /// Its tokens that are a prefix of the prompt's tokens.
     by_token: usize,
-    /// When all its tokens are not, but their text is a prefix of the prompt:
-    /// that text's length in bytes.
-    by_text: Option<usize>,
+    /// When all its tokens are not, but their text is a prefix of the prompt's
+    /// with control tokens where the prompt has them: the tokens that continue
+    /// them to the prompt (`Tokenizer::continuation`).
+    by_text: Option<Vec<u32>>,
 }
 
 impl Held {
-    fn of(session: &Session, prompt: &str, ids: &[u32]) -> Held {
+    fn of(session: &Session, ids: &[u32]) -> Held {
         let live = session.tokens();
         let mut by_token = live.iter().zip(ids).take_while(|(a, b)| a == b).count();
         if !session.can_rewind(by_token) {
@@ -531,11 +547,8 @@ impl Held {
             by_token = 0;
         }
         let by_text = (by_token < live.len())
-            .then(|| session.model().tokenizer.prompt_text(live))
-            .filter(|text| {
-                prompt.as_bytes().starts_with(text) && prompt.is_char_boundary(text.len())
-            })
-            .map(|text| text.len());
+            .then(|| session.model().tokenizer.continuation(live, ids))
+            .flatten();
         Held { by_token, by_text }
     }
 
@@ -567,14 +580,11 @@ impl WorkerState {
         if !fits {
             return Slot::Main;
         }
-        let main = Held::of(&self.session, &job.prompt, ids).tokens(&self.session);
+        let main = Held::of(&self.session, ids).tokens(&self.session);
         if main >= PROTECT_MIN_TOKENS {
             return Slot::Main;
         }
-        let side = self
-            .side
-            .as_ref()
-            .map_or(0, |s| Held::of(s, &job.prompt, ids).tokens(s));
+        let side = self.side.as_ref().map_or(0, |s| Held::of(s, ids).tokens(s));
         if side > main || self.session.tokens().len() >= PROTECT_MIN_TOKENS {
             Slot::Side
         } else {
@@ -584,12 +594,7 @@ impl WorkerState {
 
     fn run(&mut self, mut job: Job) {
         let gate = job.gate.take();
-        // Tokenized once: the slot choice and the reuse plan both need it.
-        let ids = self
-            .session
-            .model()
-            .tokenizer
-            .encode(&job.prompt, true, true);
+        let ids = std::mem::take(&mut job.ids);
         let slot = self.choose_slot(&job, &ids);
         if let Some(k) = &job.cache_key {
             if self.slot_keys.len() >= MAX_SLOT_KEYS && !self.slot_keys.contains_key(k) {
@@ -631,8 +636,7 @@ impl WorkerState {
             let _ = job.events.blocking_send(Event::Failed(e));
         }
         if let Some(p) = &self.persist {
-            let (files, bytes, evictions) = p.store_usage();
-            self.metrics.store(files, bytes, evictions);
+            self.metrics.store(&p.store_usage());
         }
     }
 
@@ -649,14 +653,14 @@ impl WorkerState {
         let model = Arc::clone(self.session.model());
         let tok = &model.tokenizer;
         let live = self.session.tokens().to_vec();
-        let held = Held::of(&self.session, prompt, &ids);
+        let held = Held::of(&self.session, &ids);
         let by_token = held.by_token;
-        if let Some(text_len) = held.by_text {
+        if let Some(rest) = held.by_text {
             // The live tokens represent a prefix of the text but are not the
-            // prompt's own tokenization: keep them all, tokenize only the rest.
+            // prompt's own tokenization: keep them all, append the rest.
             let mut full = live;
             let n = full.len();
-            full.extend(tok.encode(&prompt[text_len..], false, true));
+            full.extend(rest);
             return (full, n, CacheSource::MemoryText);
         }
         let Some(p) = &mut self.persist else {
@@ -676,12 +680,24 @@ impl WorkerState {
             p.save(&self.session, SaveReason::Evict);
         }
         self.session.reset();
-        let covered = p.restore(&mut self.session, prompt.as_bytes());
-        if covered > 0 && prompt.is_char_boundary(covered) {
-            let mut full = self.session.tokens().to_vec();
-            let n = full.len();
-            full.extend(tok.encode(&prompt[covered..], false, true));
-            return (full, n, CacheSource::DiskText);
+        if p.restore(&mut self.session, prompt.as_bytes()) > 0 {
+            // The store matched by text; the tokens must also read it as the
+            // prompt does (control tokens in the same places).
+            match tok.continuation(self.session.tokens(), &ids) {
+                Some(rest) => {
+                    let mut full = self.session.tokens().to_vec();
+                    let n = full.len();
+                    full.extend(rest);
+                    return (full, n, CacheSource::DiskText);
+                }
+                None => eprintln!(
+                    "kv cache: not using {}: its tokens read the prompt's text with control \
+                     tokens elsewhere (special-token text typed in content)",
+                    p.last_file
+                        .take()
+                        .map_or_else(String::new, |f| f.display().to_string())
+                ),
+            }
         }
         self.session.reset();
         (ids, 0, CacheSource::None)
@@ -998,6 +1014,7 @@ mod tests {
     fn a_requested_limit_must_fit_and_a_default_one_is_cut() {
         let over = |prompt_tokens, max_tokens| Overflow {
             prompt_tokens,
+            at_least: false,
             max_tokens,
             n_ctx: 100,
         };
