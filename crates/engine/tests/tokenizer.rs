@@ -592,7 +592,12 @@ fn min_tokens_is_a_lower_bound() {
             .max()
             .unwrap();
         eprintln!("{}'s longest token piece: {longest} bytes", f.name);
-        assert_eq!(tok.min_tokens(&"a".repeat(longest * 10 + 1)), 11, "{}", f.name);
+        assert_eq!(
+            tok.min_tokens(&"a".repeat(longest * 10 + 1)),
+            11,
+            "{}",
+            f.name
+        );
         let mut texts: Vec<String> = doc["cases"]
             .as_array()
             .unwrap()
@@ -607,7 +612,11 @@ fn min_tokens_is_a_lower_bound() {
         for text in texts {
             for parse_special in [false, true] {
                 let n = tok.encode(&text, false, parse_special).len();
-                assert!(n >= tok.min_tokens(&text), "{}: {text:?}: {n} tokens", f.name);
+                assert!(
+                    n >= tok.min_tokens(&text),
+                    "{}: {text:?}: {n} tokens",
+                    f.name
+                );
             }
         }
     }

@@ -153,7 +153,13 @@ impl Tokenizer {
     /// [`Tokenizer::encode`] says.
     /// Appends `text`'s tokens. `after_special`: whether it starts the text or
     /// follows a special token, where SPM puts its space prefix.
-    fn encode_into(&self, text: &str, parse_special: bool, mut after_special: bool, out: &mut Vec<u32>) {
+    fn encode_into(
+        &self,
+        text: &str,
+        parse_special: bool,
+        mut after_special: bool,
+        out: &mut Vec<u32>,
+    ) {
         for frag in self.vocab.specials.partition(text, parse_special) {
             match frag {
                 Fragment::Token(id) => {
@@ -163,7 +169,9 @@ impl Tokenizer {
                 Fragment::Text(range) => {
                     match &self.model {
                         Model::Bpe(bpe) => bpe.encode(&text[range], out),
-                        Model::Spm(spm) => spm.encode(&self.vocab, &text[range], after_special, out),
+                        Model::Spm(spm) => {
+                            spm.encode(&self.vocab, &text[range], after_special, out)
+                        }
                     }
                     after_special = false;
                 }
