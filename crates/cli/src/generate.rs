@@ -18,8 +18,9 @@ use serde::Serialize;
 
 use crate::kvargs::KvArgs;
 use crate::{models, ModelArgs};
-use ds4_kvstore::SaveReason;
-use ds4_server::persist::Persist;
+use ds4_runtime::{
+    CacheSource, Event, Job, Notice, NoticeSink, Persist, Runtime, RuntimeConfig, TokenLimit,
+};
 use ds4_server::prepare::encode_prompt;
 
 #[derive(Args, Clone, Debug)]
@@ -245,16 +246,21 @@ pub fn precision_name(p: Precision) -> &'static str {
 }
 
 /// Prefills, drawing a progress bar on a terminal for prompts long enough to wait on.
-fn prefill_with_bar(session: &mut Session, ids: &[u32]) -> Result<(), ds4_engine::EngineError> {
-    if ids.len() < 1024 {
-        return session.prefill(ids);
-    }
-    let bar = indicatif::ProgressBar::new(ids.len() as u64).with_style(
+/// A progress bar for a prefill of `total` tokens.
+fn prefill_bar(total: usize) -> indicatif::ProgressBar {
+    indicatif::ProgressBar::new(total as u64).with_style(
         indicatif::ProgressStyle::with_template(
             "prefill {bar:40} {pos}/{len} tokens, {per_sec}, eta {eta}",
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    )
+}
+
+fn prefill_with_bar(session: &mut Session, ids: &[u32]) -> Result<(), ds4_engine::EngineError> {
+    if ids.len() < 1024 {
+        return session.prefill(ids);
+    }
+    let bar = prefill_bar(ids.len());
     let r = session.prefill_with_progress(ids, |done, _| bar.set_position(done as u64));
     bar.finish_and_clear();
     r
@@ -412,16 +418,12 @@ pub fn run(a: &RunArgs) -> Result<()> {
 }
 
 pub fn chat(a: &ChatArgs) -> Result<()> {
-    let Loaded {
-        model, mut session, ..
-    } = load(&a.model)?;
+    let Loaded { model, session, .. } = load(&a.model)?;
     let tok = &model.tokenizer;
     let template = model
         .chat_template()
         .and_then(ChatMl::from_template)
         .context("this model has no ChatML chat template; `ds4 chat` supports ChatML models (use `ds4 run` for raw prompts)")?;
-    let mut persist = a.kv.open(None)?.map(|store| Persist::new(store, &session));
-    let mut sampler = Sampler::new(a.sampling.config());
     let system = match (&a.system, &a.system_file) {
         (Some(s), _) => Some(s.clone()),
         (None, Some(f)) => {
@@ -429,6 +431,24 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
         }
         (None, None) => None,
     };
+    // Store and runtime notices go to stderr, a line each.
+    let notices: NoticeSink = Arc::new(|n: Notice| {
+        if !matches!(n, Notice::Planned(_) | Notice::Finished(_)) {
+            eprintln!("{n}");
+        }
+    });
+    let persist =
+        a.kv.open(None)?
+            .map(|store| Persist::new(store, &session, None, Arc::clone(&notices)));
+    let pool = Arc::clone(session.pool());
+    let runtime = Runtime::start(
+        vec![session],
+        pool,
+        persist,
+        RuntimeConfig::default(),
+        notices,
+    );
+    let mut sampling = a.sampling.config();
     let mut history: Vec<Message> = system
         .into_iter()
         .map(|s| Message::new(Role::System, s))
@@ -448,11 +468,7 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
             "" => continue,
             "/exit" | "/quit" => break,
             "/reset" => {
-                if let Some(p) = &mut persist {
-                    p.save(&session, SaveReason::Evict);
-                }
                 history.retain(|m| m.role == Role::System);
-                session.reset();
                 eprintln!("(conversation cleared)");
                 continue;
             }
@@ -466,91 +482,87 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
                 ..Default::default()
             },
         );
-        let own = encode_prompt(tok, &prompt);
-        let t0 = Instant::now();
-        let mut restored = 0;
-        // The live session continues when its text is a prefix of the prompt's
-        // with control tokens in the same places.
-        let mut rest = (!session.tokens().is_empty())
-            .then(|| tok.continuation(session.tokens(), &own))
-            .flatten();
-        let reused_live = rest.is_some();
-        if !reused_live {
-            if let Some(p) = &mut persist {
-                p.save(&session, SaveReason::Evict);
-            }
-            session.reset();
-            if let Some(p) = &mut persist {
-                if p.restore(&mut session, prompt.as_str().as_bytes()) > 0 {
-                    rest = tok.continuation(session.tokens(), &own);
-                    match rest {
-                        Some(_) => restored = session.tokens().len(),
-                        None => session.reset(),
-                    }
+        let (tx, mut rx) = tokio::sync::mpsc::channel(256);
+        let job = Job {
+            id: format!("chat-{}", history.len()),
+            route: "chat".into(),
+            ids: encode_prompt(tok, &prompt),
+            prompt: prompt.into(),
+            sampling: sampling.clone(),
+            limit: TokenLimit::Default(a.sampling.n_predict),
+            stop: vec![],
+            affinity: vec![],
+            breakpoints: vec![],
+            gate: None,
+            meta: serde_json::Value::Null,
+            events: tx,
+        };
+        // Each turn draws from its own stream of the seed.
+        sampling.seed = sampling.seed.wrapping_add(1);
+        runtime
+            .handle
+            .submit(job)
+            .map_err(|e| anyhow::anyhow!("the runtime refused the turn: {e:?}"))?;
+        let t = Instant::now();
+        let mut reply = String::new();
+        let mut bar: Option<indicatif::ProgressBar> = None;
+        let mut first_token = None;
+        let mut outcome = None;
+        while let Some(e) = rx.blocking_recv() {
+            match e {
+                Event::Started(_) => {}
+                Event::Progress { prefilled, total } if total >= 1024 => {
+                    bar.get_or_insert_with(|| prefill_bar(total))
+                        .set_position(prefilled as u64);
                 }
+                Event::Progress { .. } => {}
+                Event::Text(piece) => {
+                    if let Some(b) = bar.take() {
+                        b.finish_and_clear();
+                    }
+                    first_token.get_or_insert_with(|| t.elapsed().as_secs_f64());
+                    write!(out, "{piece}")?;
+                    out.flush()?;
+                    reply.push_str(&piece);
+                }
+                Event::Done { usage, .. } => outcome = Some(Ok(usage)),
+                Event::Failed(e) => outcome = Some(Err(e)),
             }
         }
-        let restore_s = t0.elapsed().as_secs_f64();
-        let ids = rest.unwrap_or(own);
-        let t1 = Instant::now();
-        let cold = !reused_live && restored == 0;
-        let prefilled = match &mut persist {
-            Some(p) => p.prefill(&mut session, &ids, cold, &[], &mut prefill_with_bar),
-            None => prefill_with_bar(&mut session, &ids),
-        };
-        if let Err(e) = prefilled {
-            history.pop();
-            session.reset();
-            eprintln!("error: {e}; the conversation was reset");
-            continue;
+        if let Some(b) = bar {
+            b.finish_and_clear();
         }
-        let prefill_s = t1.elapsed().as_secs_f64();
-
-        let t2 = Instant::now();
-        let mut reply = Vec::new();
-        let mut stream = StreamDecoder::default();
-        let mut n_gen = 0;
-        while n_gen < a.sampling.n_predict {
-            let next = sampler.sample(session.logits()?);
-            n_gen += 1;
-            if tok.is_eog(next) {
-                // Feed the end-of-turn token so the session matches the rendered
-                // history (with a full context it does not, and the next turn
-                // is prefilled from the start).
-                let _ = session.decode_step(next);
-                break;
+        writeln!(out)?;
+        match outcome {
+            Some(Ok(usage)) => {
+                history.push(Message::new(Role::Assistant, reply));
+                let source = match usage.cache_source {
+                    CacheSource::MemoryToken | CacheSource::MemoryText => {
+                        "live session".to_string()
+                    }
+                    CacheSource::DiskText => {
+                        format!("restored {} tokens from disk", usage.cached_tokens)
+                    }
+                    CacheSource::None => "nothing reused".to_string(),
+                };
+                let total_s = t.elapsed().as_secs_f64();
+                let prefill_s = first_token.unwrap_or(total_s);
+                let decode_s = (total_s - prefill_s).max(1e-9);
+                eprintln!(
+                    "[{source}; prefilled {} tokens in {prefill_s:.2} s; {} generated at {:.1} t/s; {} in context]",
+                    usage.prompt_tokens - usage.cached_tokens,
+                    usage.completion_tokens,
+                    usage.completion_tokens.saturating_sub(1) as f64 / decode_s,
+                    usage.prompt_tokens + usage.completion_tokens,
+                );
             }
-            let piece = tok.token_piece(next, false);
-            reply.extend_from_slice(piece);
-            write!(out, "{}", stream.push(piece))?;
-            out.flush()?;
-            if let Err(e) = session.decode_step(next) {
-                eprintln!("\n(stopped: {e})");
-                break;
+            Some(Err(e)) => {
+                history.pop();
+                eprintln!("error: {e}");
             }
-            if let Some(p) = &mut persist {
-                p.after_decode(&session);
-            }
+            None => bail!("the runtime stopped"),
         }
-        writeln!(out, "{}", stream.finish())?;
-        let reply = String::from_utf8_lossy(&reply).into_owned();
-        history.push(Message::new(Role::Assistant, reply));
-        let source = match (reused_live, restored) {
-            (true, _) => "live session".to_string(),
-            (false, 0) => "nothing reused".to_string(),
-            (false, n) => format!("restored {n} tokens from disk in {:.0} ms", restore_s * 1e3),
-        };
-        eprintln!(
-            "[{source}; prefilled {} tokens in {:.2} s; {} generated at {:.1} t/s; {} in context]",
-            ids.len(),
-            prefill_s,
-            n_gen,
-            n_gen as f64 / t2.elapsed().as_secs_f64().max(1e-9),
-            session.tokens().len()
-        );
     }
-    if let Some(p) = &mut persist {
-        p.save(&session, SaveReason::Shutdown);
-    }
+    runtime.join();
     Ok(())
 }

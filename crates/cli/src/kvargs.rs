@@ -5,7 +5,6 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 use ds4_kvstore::{SavePolicy, Store, StoreConfig};
-use ds4_server::persist::report_notices;
 
 /// Disk checkpoint flags (names as in the original system).
 #[derive(Args, Clone, Debug)]
@@ -83,7 +82,10 @@ impl KvArgs {
             p.trim_tokens,
             p.align_tokens
         );
-        report_notices(&store);
+        // What opening found (damaged files skipped, stale temp files).
+        for n in store.drain_notices() {
+            eprintln!("{n}");
+        }
         Ok(Some(store))
     }
 }

@@ -8,11 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ds4_kvstore::Store;
+use ds4_runtime::{Persist, Runtime, RuntimeConfig, ToolMemory};
 use ds4_server::metrics::Metrics;
-use ds4_server::persist::Persist;
-use ds4_server::tooling::ToolMemory;
 use ds4_server::trace::Trace;
-use ds4_server::{default_body_limit, router, ConnEvent, Limits, ServerConfig, Worker};
+use ds4_server::{default_body_limit, router, ConnEvent, Limits, ServerConfig};
 
 use crate::generate::{load, Loaded};
 use crate::kvargs::KvArgs;
@@ -35,7 +34,8 @@ pub struct ServeArgs {
     /// Send CORS headers (any origin).
     #[arg(long)]
     pub cors: bool,
-    /// Requests waiting for the engine before new ones get 503.
+    /// Requests waiting for a slot (every slot busy) before new ones get 503
+    /// with Retry-After.
     #[arg(long, default_value_t = 16)]
     pub queue_max: usize,
     /// Largest accepted request body, in bytes (413 above it). Default: what a
@@ -89,11 +89,21 @@ pub struct ServeArgs {
     /// rendering (repeatable).
     #[arg(long, value_name = "REGEX", conflicts_with = "no_normalize_prompts")]
     pub normalize_regex: Vec<String>,
-    /// Context of the side slot that serves short requests sharing nothing with
-    /// the live conversation (title generation, quota checks), so they do not
-    /// evict it; 0 disables the side slot.
-    #[arg(long, default_value_t = 4096, value_name = "TOKENS")]
-    pub side_ctx: usize,
+    /// Sessions kept at once (slots), each of --ctx tokens: a request goes to
+    /// the slot holding the longest reusable prefix of it, else to the slot its
+    /// conversation's keys name, else to the least valuable one. The default
+    /// serves a conversation, two parallel subagents and side requests (titles,
+    /// quota checks) without evicting the conversation. Busy slots advance
+    /// together in one batched forward pass.
+    #[arg(long = "batched-session", default_value_t = 4, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub slots: u32,
+    /// Prompt tokens a prefilling slot runs per step while other slots
+    /// generate (a long cold prompt then delays their tokens by one such step
+    /// at most); with nothing generating it runs whole --prefill-chunk steps.
+    #[arg(long, default_value_t = 128, value_name = "TOKENS",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub mixed_prefill_quantum: u32,
 }
 
 pub fn run(a: &ServeArgs) -> Result<()> {
@@ -114,11 +124,6 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         a.tool_memory_max_ids
     };
     let tool_memory = Arc::new(ToolMemory::new(max_ids, lookup));
-    let persist = store.map(|s| {
-        let mut p = Persist::new(s, &session);
-        p.tool_memory = Some(Arc::clone(&tool_memory));
-        p
-    });
     let metrics = Arc::new(Metrics::default());
     let trace = match &a.trace {
         Some(f) => Some(Arc::new(
@@ -127,14 +132,39 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         )),
         None => None,
     };
+    let notices = ds4_server::notices::sink(Arc::clone(&metrics), trace.clone());
+    let persist = store.map(|s| {
+        Persist::new(
+            s,
+            &session,
+            Some(Arc::clone(&tool_memory)),
+            Arc::clone(&notices),
+        )
+    });
     let n_ctx = session.n_ctx();
-    let worker = Worker::start(
-        session,
+    let pool = Arc::clone(session.pool());
+    let mut sessions = vec![session];
+    while sessions.len() < a.slots as usize {
+        let s = sessions[0].sibling(n_ctx);
+        sessions.push(s);
+    }
+    let per_slot = sessions[0].state_memory_bytes();
+    eprintln!(
+        "ds4 serve: {} slots of {n_ctx} tokens: {:.0} MiB of K/V each, {:.0} MiB in all (pages are \
+         taken as they are written)",
+        sessions.len(),
+        per_slot as f64 / (1 << 20) as f64,
+        (per_slot * sessions.len() as u64) as f64 / (1 << 20) as f64
+    );
+    let runtime = Runtime::start(
+        sessions,
+        pool,
         persist,
-        a.side_ctx,
-        a.queue_max,
-        Arc::clone(&metrics),
-        trace.clone(),
+        RuntimeConfig {
+            prefill_quantum: a.mixed_prefill_quantum as usize,
+            queue_max: a.queue_max,
+        },
+        notices,
     );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -168,7 +198,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         .unwrap_or_else(|| default_body_limit(&model.tokenizer, n_ctx));
     let app = router(
         cfg,
-        worker.handle.clone(),
+        runtime.handle.clone(),
         model,
         Arc::clone(&metrics),
         tool_memory,
@@ -186,7 +216,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
          bodies {} s, idle {} s, send {} s",
         limits.max_connections, a.header_timeout, a.body_timeout, a.idle_timeout, a.send_timeout
     );
-    let handle = worker.handle.clone();
+    let handle = runtime.handle.clone();
     rt.block_on(async move {
         eprintln!("ds4 serve: listening on http://{local}");
         let shutdown = async move {
@@ -208,7 +238,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
             .context("serving")
     })?;
     drop(rt);
-    worker.join();
+    runtime.join();
     eprintln!("ds4 serve: stopped");
     Ok(())
 }

@@ -585,8 +585,8 @@ fn a_short_unrelated_request_does_not_evict_the_live_conversation() {
     assert!(cached >= turn1 - 1, "reused {cached} of {turn1}: {cache}");
     srv.stop();
 
-    // Without the side slot the side request takes the only session.
-    let srv = Server::start(&["--no-kv-disk", "--side-ctx", "0"]);
+    // With one slot the side request takes the only session.
+    let srv = Server::start(&["--no-kv-disk", "--batched-session", "1"]);
     let (turn1, r2) = conversation_around_a_side_request(srv.port);
     let cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
@@ -613,9 +613,9 @@ fn a_prompt_cache_key_keeps_its_requests_on_their_slot() {
         None,
     )
     .json();
-    // The key's first request is short and unrelated: the side slot. Its next
+    // The key's first request is short and unrelated: an empty slot. Its next
     // request shares the main conversation's system prompt, but the key keeps it
-    // on the side slot, so the main conversation is not cut back.
+    // on that slot, so the main conversation is not cut back.
     chat(json!([{"role": "user", "content": "quota"}]), Some("k"));
     chat(
         json!([{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}]),

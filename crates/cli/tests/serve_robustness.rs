@@ -981,7 +981,7 @@ fn health_depth(port: u16) -> u64 {
 
 #[test]
 fn a_full_queue_answers_503_with_retry_after_in_each_dialect_then_recovers() {
-    let srv = Server::start(&["--no-kv-disk", "--queue-max", "1"]);
+    let srv = Server::start(&["--no-kv-disk", "--queue-max", "1", "--batched-session", "1"]);
     let p = srv.port;
 
     // A long generation holds the engine: wait for its first token.

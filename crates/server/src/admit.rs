@@ -28,7 +28,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Body as _;
 
 use crate::dialect::ErrorKind;
-use crate::http::{dialect_for_path, AppState, ServerConfig, ROUTE};
+use crate::http::{dialect_for_path, session_keys, AppState, ServerConfig, ROUTE, SESSION_KEYS};
 
 /// The checks above, CORS headers and preflight, and request counting.
 pub(crate) async fn guard(
@@ -37,6 +37,7 @@ pub(crate) async fn guard(
     next: Next,
 ) -> Response {
     let path = req.uri().path().to_string();
+    let keys = session_keys(req.headers());
     let d = dialect_for_path(&path);
     let refused = |status: StatusCode, msg: &str, kind: ErrorKind| d.error(status, msg, kind);
     let mut r = if let Err(host) = host_allowed(&st.cfg, req.headers()) {
@@ -64,7 +65,11 @@ pub(crate) async fn guard(
         )
     } else if req.method() == Method::POST {
         match read_body(&st, req).await {
-            Ok(req) => ROUTE.scope(path.clone(), next.run(req)).await,
+            Ok(req) => {
+                ROUTE
+                    .scope(path.clone(), SESSION_KEYS.scope(keys, next.run(req)))
+                    .await
+            }
             Err((status, msg)) => refused(status, &msg, ErrorKind::InvalidRequest),
         }
     } else {

@@ -39,7 +39,7 @@ use crate::dialect::{
 use crate::http::{self, AppState};
 use crate::prepare::{self, Refusal};
 use crate::turn::{CallOut, Piece, Turn};
-use crate::worker::{FinishReason, Overflow, Usage};
+use ds4_runtime::{FinishReason, Overflow, Usage};
 
 #[derive(Deserialize)]
 struct Body {
@@ -58,6 +58,13 @@ struct Body {
     output_config: Option<OutputConfig>,
     output_format: Option<Value>,
     reasoning_effort: Option<String>,
+    metadata: Option<Metadata>,
+}
+
+#[derive(Deserialize)]
+struct Metadata {
+    /// Claude Code sends its user, account and session ids here.
+    user_id: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -179,7 +186,12 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
         tool_choice: tool_choice(b.tool_choice.as_ref())?,
         think,
         cache_breakpoints: breakpoints,
-        cache_key: None,
+        affinity: b
+            .metadata
+            .and_then(|m| m.user_id)
+            .map(|u| format!("user:{u}"))
+            .into_iter()
+            .collect(),
         json_schema: crate::dialect::json_format(b.output_format.as_ref(), "output_format")?,
         single_call: b
             .tool_choice
@@ -431,7 +443,7 @@ pub fn usage_json(u: &Usage) -> Value {
 fn stop_reason(f: FinishReason) -> &'static str {
     match f {
         FinishReason::Stop => "end_turn",
-        FinishReason::Length => "max_tokens",
+        FinishReason::Length | FinishReason::Cancelled => "max_tokens",
         FinishReason::ContextFull => "model_context_window_exceeded",
         FinishReason::ToolCalls => "tool_use",
     }
@@ -702,7 +714,7 @@ pub(crate) async fn count_tokens(State(st): State<Arc<AppState>>, body: Bytes) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::CacheSource;
+    use ds4_runtime::CacheSource;
 
     fn bad(b: &str) -> String {
         parse_messages(b.as_bytes()).unwrap_err().message
@@ -1035,6 +1047,8 @@ mod tests {
             completion_tokens: 9,
             cache_source: CacheSource::None,
             miss: None,
+            slot: 0,
+            queue_s: 0.0,
         }
     }
 

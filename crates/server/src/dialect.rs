@@ -11,7 +11,7 @@ use ds4_engine::SamplerConfig;
 use serde_json::Value;
 
 use crate::turn::{Piece, Turn};
-use crate::worker::{FinishReason, Overflow, Usage};
+use ds4_runtime::{FinishReason, Overflow, Usage};
 
 /// A request in the engine's terms.
 #[derive(Debug)]
@@ -39,8 +39,11 @@ pub struct AgentOptions {
     /// Anthropic `cache_control` breakpoints: the index of the message whose end
     /// is a boundary worth a checkpoint (the system prompt is message 0).
     pub cache_breakpoints: Vec<usize>,
-    /// OpenAI `prompt_cache_key`: requests with one key share a session slot.
-    pub cache_key: Option<String>,
+    /// Keys of the conversation the request continues that its body names
+    /// (OpenAI `prompt_cache_key`, Anthropic `metadata.user_id`, which holds
+    /// Claude Code's session id): requests sharing one go to the same slot
+    /// when no slot holds a prefix of them.
+    pub affinity: Vec<String>,
     /// The client allows only one call per turn (OpenAI
     /// `parallel_tool_calls: false`, Anthropic `disable_parallel_tool_use`).
     pub single_call: bool,

@@ -21,16 +21,16 @@ use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::dialect::{Dialect, ErrorKind, Gen, Request};
+use crate::dialect::{Dialect, ErrorKind, Gen, Input, Request};
 use crate::metrics::Metrics;
 use crate::normalize::Normalizer;
 use crate::openai::{self, Kind, OpenAi};
 use crate::prepare::{prepare, Refusal};
-use crate::tooling::ToolMemory;
 use crate::trace::Trace;
 use crate::turn::{Shaper, Turn};
-use crate::worker::{
-    Event, FinishReason, Job, JobError, SubmitError, TokenLimit, Usage, WorkerHandle,
+use ds4_runtime::ToolMemory;
+use ds4_runtime::{
+    Event, FinishReason, Job, JobError, RuntimeHandle, SubmitError, TokenLimit, Usage,
 };
 
 /// Server settings.
@@ -76,7 +76,7 @@ pub(crate) struct AppState {
     pub cfg: ServerConfig,
     /// The body cap in force (the setting, or the context's default).
     pub max_body_bytes: usize,
-    pub worker: WorkerHandle,
+    pub runtime: RuntimeHandle,
     /// The served model, for tokenizing on the HTTP side (token counts).
     pub model: Arc<Model>,
     pub template: Option<Box<dyn Template>>,
@@ -106,7 +106,7 @@ pub fn default_body_limit(tok: &ds4_engine::Tokenizer, n_ctx: usize) -> usize {
 /// with the worker's checkpoints. Fails only on an invalid normalisation pattern.
 pub fn router(
     cfg: ServerConfig,
-    worker: WorkerHandle,
+    runtime: RuntimeHandle,
     model: Arc<Model>,
     metrics: Arc<Metrics>,
     tool_memory: Arc<ToolMemory>,
@@ -136,7 +136,7 @@ pub fn router(
     let state = Arc::new(AppState {
         cfg,
         max_body_bytes: max_body,
-        worker,
+        runtime,
         model,
         template,
         grammar,
@@ -161,6 +161,7 @@ pub fn router(
         .route("/", get(root))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
+        .route("/slots", get(slots))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body))
@@ -201,11 +202,47 @@ async fn method_not_allowed(req: HttpRequest) -> Response {
 tokio::task_local! {
     /// The path of the request a handler is serving, for the trace.
     pub(crate) static ROUTE: String;
+    /// The session ids its headers name (opencode's `x-session-affinity` and
+    /// `x-session-id`, Codex's `session_id`), as affinity keys.
+    pub(crate) static SESSION_KEYS: Vec<String>;
+}
+
+/// The affinity keys of a request's headers ([`SESSION_KEYS`]).
+pub(crate) fn session_keys(h: &axum::http::HeaderMap) -> Vec<String> {
+    ["x-session-affinity", "x-session-id", "session_id"]
+        .iter()
+        .filter_map(|name| h.get(*name)?.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 256)
+        .map(|v| format!("session:{v}"))
+        .collect()
 }
 
 async fn metrics_text(State(st): State<Arc<AppState>>) -> Response {
-    let body = st.metrics.render(st.worker.queue_depth());
+    if let Some(u) = st.runtime.store_usage() {
+        st.metrics.store(&u);
+    }
+    let body = st
+        .metrics
+        .render(st.runtime.queue_depth(), &st.runtime.slots());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
+/// `GET /slots`: each slot's state (busy, tokens held, the SHA-1 of the text
+/// they stand for, idle seconds, state bytes).
+async fn slots(State(st): State<Arc<AppState>>) -> Json<Value> {
+    let slots: Vec<Value> = st
+        .runtime
+        .slots()
+        .iter()
+        .map(|s| {
+            json!({
+                "id": s.id, "busy": s.busy, "tokens": s.tokens, "n_ctx": s.n_ctx,
+                "text_sha1": s.text_sha1.iter().map(|b| format!("{b:02x}")).collect::<String>(),
+                "idle_s": s.idle_s, "state_bytes": s.state_bytes,
+            })
+        })
+        .collect();
+    Json(json!({ "slots": slots, "queue_depth": st.runtime.queue_depth() }))
 }
 
 /// `GET /` and `HEAD /` (Claude Code's connectivity check before a session).
@@ -214,7 +251,7 @@ async fn root(State(st): State<Arc<AppState>>) -> Json<Value> {
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({ "status": "ok", "queue_depth": st.worker.queue_depth() }))
+    Json(json!({ "status": "ok", "queue_depth": st.runtime.queue_depth() }))
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
@@ -333,13 +370,13 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> R
         sampling,
         limit: TokenLimit::of(p.max_tokens, st.cfg.default_max_tokens),
         stop: p.stop.clone(),
-        replay: r.replay,
-        cache_key: p.agent.cache_key.clone(),
+        affinity: affinity(&p),
         breakpoints: r.breakpoints,
         gate: r.gate,
+        meta: json!({ "tool_replay": { "exact": r.replay.exact, "canonical": r.replay.canonical } }),
         events: tx,
     };
-    match st.worker.submit(job) {
+    match st.runtime.submit(job) {
         Ok(()) => {}
         Err(SubmitError::QueueFull) => {
             let mut r = d.error(
@@ -369,13 +406,14 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> R
         let mut shaper = shaper;
         while let Some(ev) = rx.recv().await {
             match ev {
-                Event::Started(_) => {}
+                Event::Started(_) | Event::Progress { .. } => {}
                 Event::Text(t) => {
                     shaper.push(&t);
                 }
                 Event::Done { finish, usage } => {
+                    let finish = cut_short(finish);
                     let (_, turn) = shaper.finish();
-                    let finish = end_turn(&st, &g, &turn, finish);
+                    let finish = end_turn(&st, &g, &turn, finish, &usage);
                     let mut r = Json(d.complete(&g, &turn, finish, &usage)).into_response();
                     cache_header(&mut r, &usage);
                     return r;
@@ -411,6 +449,7 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> R
         async move {
             let (mut rx, mut shaper) = state?;
             let out = match rx.recv().await {
+                Some(Event::Progress { .. }) => return Some((vec![], Some((rx, shaper)))),
                 Some(Event::Text(t)) => {
                     let events = shaper
                         .push(&t)
@@ -420,8 +459,9 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> R
                     return Some((events, Some((rx, shaper))));
                 }
                 Some(Event::Done { finish, usage }) => {
+                    let finish = cut_short(finish);
                     let (pieces, turn) = shaper.finish();
-                    let finish = end_turn(&st, &g, &turn, finish);
+                    let finish = end_turn(&st, &g, &turn, finish, &usage);
                     let mut events: Vec<SseEvent> = pieces
                         .iter()
                         .flat_map(|piece| d.stream_piece(&g, piece))
@@ -441,10 +481,41 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> R
     r
 }
 
+/// The keys of the conversation `p` continues: its body's, its headers', and
+/// the ids of the tool calls its history replays.
+fn affinity(p: &Request) -> Vec<String> {
+    let mut keys = p.agent.affinity.clone();
+    keys.extend(SESSION_KEYS.try_with(Clone::clone).unwrap_or_default());
+    if let Input::Messages(messages) = &p.input {
+        keys.extend(
+            messages
+                .iter()
+                .flat_map(|m| &m.tool_calls)
+                .map(|c| format!("call:{}", c.id)),
+        );
+    }
+    keys
+}
+
+/// A job the runtime ended early (the server is stopping) reads as one cut at
+/// its limit: the dialects have no word for a cancellation.
+fn cut_short(finish: FinishReason) -> FinishReason {
+    match finish {
+        FinishReason::Cancelled => FinishReason::Length,
+        f => f,
+    }
+}
+
 /// Bookkeeping at the end of a turn: notes a call that degraded to text,
 /// remembers the exact text of its tool calls, and returns the finish reason the
 /// client sees.
-fn end_turn(st: &AppState, g: &Gen, turn: &Turn, finish: FinishReason) -> FinishReason {
+fn end_turn(
+    st: &AppState,
+    g: &Gen,
+    turn: &Turn,
+    finish: FinishReason,
+    usage: &Usage,
+) -> FinishReason {
     if let Some(reason) = &turn.malformed {
         eprintln!(
             "request {}: a malformed tool call was returned as text: {reason}",
@@ -459,6 +530,12 @@ fn end_turn(st: &AppState, g: &Gen, turn: &Turn, finish: FinishReason) -> Finish
     }
     let ids: Vec<String> = turn.calls.iter().map(|c| c.id.clone()).collect();
     st.tool_memory.remember(&ids, &turn.calls_raw);
+    // The next request replays these calls: it continues this slot's
+    // conversation.
+    st.runtime.tag(
+        usage.slot,
+        ids.iter().map(|id| format!("call:{id}")).collect(),
+    );
     FinishReason::ToolCalls
 }
 

@@ -17,7 +17,7 @@ use crate::dialect::{
     Request,
 };
 use crate::turn::{CallOut, Piece, Turn};
-use crate::worker::{FinishReason, Usage};
+use ds4_runtime::{FinishReason, Usage};
 
 #[derive(Deserialize)]
 struct Common {
@@ -196,7 +196,11 @@ fn common(c: Common) -> Result<Request, BadRequest> {
             "reasoning_effort",
         )?,
         cache_breakpoints: vec![],
-        cache_key: c.prompt_cache_key,
+        affinity: c
+            .prompt_cache_key
+            .map(|k| format!("key:{k}"))
+            .into_iter()
+            .collect(),
         json_schema: crate::dialect::json_format(c.response_format.as_ref(), "response_format")?,
         single_call: c.parallel_tool_calls == Some(false),
     };
@@ -631,7 +635,7 @@ mod tests {
 
     #[test]
     fn overflows_carry_openais_wording_and_code() {
-        use crate::worker::Overflow;
+        use ds4_runtime::Overflow;
         let d = OpenAi(Kind::Chat);
         let o = Overflow {
             prompt_tokens: 9000,

@@ -13,8 +13,8 @@ use serde_json::json;
 
 use crate::dialect::{Input, Request};
 use crate::http::AppState;
-use crate::tooling::ReplayStats;
-use crate::worker::{Gate, Overflow, TokenLimit};
+use ds4_runtime::ReplayStats;
+use ds4_runtime::{Gate, Overflow, TokenLimit};
 
 /// A request ready for the engine.
 pub(crate) struct Prepared {

@@ -28,8 +28,8 @@ use crate::dialect::{
 use crate::http::{run, AppState};
 use crate::openai::{bad_request_response, error_response, tool_choice};
 use crate::turn::{CallOut, Piece, Turn};
-use crate::worker::{FinishReason, Usage};
 use ds4_chat::ToolCall;
+use ds4_runtime::{FinishReason, Usage};
 
 /// The request fields we read. `store`, `metadata`, `user`,
 /// `parallel_tool_calls` and `truncation` are type-checked and otherwise ignored
@@ -166,7 +166,11 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         tool_choice: tool_choice(b.tool_choice.as_ref())?,
         think: think_mode(control, effort.as_deref(), b.model.as_deref(), "reasoning")?,
         cache_breakpoints: vec![],
-        cache_key: b.prompt_cache_key,
+        affinity: b
+            .prompt_cache_key
+            .map(|k| format!("key:{k}"))
+            .into_iter()
+            .collect(),
         json_schema: crate::dialect::json_format(text_format.as_ref(), "text.format")?,
         single_call: b.parallel_tool_calls == Some(false),
     };
@@ -466,7 +470,7 @@ fn output_items(
 fn statuses(finish: FinishReason) -> (&'static str, &'static str, Value) {
     match finish {
         FinishReason::Stop | FinishReason::ToolCalls => ("completed", "completed", Value::Null),
-        FinishReason::Length | FinishReason::ContextFull => (
+        FinishReason::Length | FinishReason::ContextFull | FinishReason::Cancelled => (
             "incomplete",
             "incomplete",
             json!({ "reason": "max_output_tokens" }),
@@ -663,7 +667,9 @@ impl Responses {
         let item = message_item(&msg_id, item_status, Some(text));
         let terminal = match finish {
             FinishReason::Stop | FinishReason::ToolCalls => "response.completed",
-            FinishReason::Length | FinishReason::ContextFull => "response.incomplete",
+            FinishReason::Length | FinishReason::ContextFull | FinishReason::Cancelled => {
+                "response.incomplete"
+            }
         };
         let r = self.object(
             g,
@@ -781,7 +787,7 @@ impl Dialect for Responses {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::CacheSource;
+    use ds4_runtime::CacheSource;
 
     fn messages(p: &Request) -> &[Message] {
         match &p.input {
@@ -874,7 +880,7 @@ mod tests {
             ds4_chat::ToolChoice::Named("ls".into())
         );
         assert_eq!(p.agent.think, ds4_chat::ThinkMode::None);
-        assert_eq!(p.agent.cache_key.as_deref(), Some("k"));
+        assert_eq!(p.agent.affinity, ["key:k"]);
     }
 
     #[test]
@@ -1033,6 +1039,8 @@ mod tests {
             completion_tokens: 3,
             cache_source: CacheSource::MemoryToken,
             miss: None,
+            slot: 0,
+            queue_s: 0.0,
         }
     }
 

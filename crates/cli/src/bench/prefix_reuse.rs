@@ -94,7 +94,7 @@ fn measure(
         },
     )?;
     let text = model.tokenizer.prompt_text(cold.tokens());
-    let id = ds4_server::persist::model_id(&cold);
+    let id = ds4_runtime::model_id(&cold);
     let t = Instant::now();
     let mut write = |w: &mut dyn std::io::Write| {
         let mut w = std::io::BufWriter::with_capacity(1 << 20, w);
