@@ -183,14 +183,17 @@ pub(crate) static SCALAR: Kernels = Kernels {
 };
 
 /// Every tier name, lowest first: what `DS4_KERNELS` accepts.
-const TIER_NAMES: [&str; 2] = ["scalar", "avx2"];
+const TIER_NAMES: [&str; 3] = ["scalar", "avx2", "avx512"];
 
 /// The tiers this CPU can run, lowest first (always starts with [`SCALAR`]).
 pub(crate) fn available_tiers() -> Vec<&'static Kernels> {
     #[allow(unused_mut)]
     let mut tiers = vec![&SCALAR];
     #[cfg(target_arch = "x86_64")]
-    tiers.extend(x86::avx2());
+    {
+        tiers.extend(x86::avx2());
+        tiers.extend(x86::avx512());
+    }
     tiers
 }
 

@@ -80,43 +80,43 @@ pub(super) static KERNELS: Kernels = Kernels {
 // features the callee is compiled for. Memory safety inside the callees does
 // not depend on these length checks beyond what slices already guarantee.
 
-fn vec_dot_q4_k_q8_k(x: &[BlockQ4_K], y: &[BlockQ8_K]) -> f32 {
+pub(super) fn vec_dot_q4_k_q8_k(x: &[BlockQ4_K], y: &[BlockQ8_K]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_q4_K_q8_K block counts");
     // SAFETY: see above.
     unsafe { kquants::dot_q4_k_q8_k(x, y) }
 }
 
-fn vec_dot_q6_k_q8_k(x: &[BlockQ6_K], y: &[BlockQ8_K]) -> f32 {
+pub(super) fn vec_dot_q6_k_q8_k(x: &[BlockQ6_K], y: &[BlockQ8_K]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_q6_K_q8_K block counts");
     // SAFETY: see above.
     unsafe { kquants::dot_q6_k_q8_k(x, y) }
 }
 
-fn dequantize_row_q4_0(x: &[BlockQ4_0], y: &mut [f32]) {
+pub(super) fn dequantize_row_q4_0(x: &[BlockQ4_0], y: &mut [f32]) {
     assert_eq!(y.len(), x.len() * QK8_0, "q4_0 dequantize_row lengths");
     // SAFETY: see above.
     unsafe { dequant_q4_0(x, y) }
 }
 
-fn dequantize_row_q5_0(x: &[BlockQ5_0], y: &mut [f32]) {
+pub(super) fn dequantize_row_q5_0(x: &[BlockQ5_0], y: &mut [f32]) {
     assert_eq!(y.len(), x.len() * QK8_0, "q5_0 dequantize_row lengths");
     // SAFETY: see above.
     unsafe { dequant_q5_0(x, y) }
 }
 
-fn dequantize_row_f16(row: &[u8], y: &mut [f32]) {
+pub(super) fn dequantize_row_f16(row: &[u8], y: &mut [f32]) {
     assert_eq!(row.len(), 2 * y.len(), "f16 row bytes vs output length");
     // SAFETY: see above.
     unsafe { dequant_f16(row, y) }
 }
 
-fn dequantize_row_bf16(row: &[u8], y: &mut [f32]) {
+pub(super) fn dequantize_row_bf16(row: &[u8], y: &mut [f32]) {
     assert_eq!(row.len(), 2 * y.len(), "bf16 row bytes vs output length");
     // SAFETY: see above.
     unsafe { dequant_bf16(row, y) }
 }
 
-fn dequantize_row_q4_k(x: &[BlockQ4_K], y: &mut [f32]) {
+pub(super) fn dequantize_row_q4_k(x: &[BlockQ4_K], y: &mut [f32]) {
     assert_eq!(
         y.len(),
         x.len() * crate::QK_K,
@@ -126,7 +126,7 @@ fn dequantize_row_q4_k(x: &[BlockQ4_K], y: &mut [f32]) {
     unsafe { kquants::dequant_q4_k(x, y) }
 }
 
-fn dequantize_row_q6_k(x: &[BlockQ6_K], y: &mut [f32]) {
+pub(super) fn dequantize_row_q6_k(x: &[BlockQ6_K], y: &mut [f32]) {
     assert_eq!(
         y.len(),
         x.len() * crate::QK_K,
@@ -136,61 +136,61 @@ fn dequantize_row_q6_k(x: &[BlockQ6_K], y: &mut [f32]) {
     unsafe { kquants::dequant_q6_k(x, y) }
 }
 
-fn vec_dot_q4_0_q8_0(x: &[BlockQ4_0], y: &[BlockQ8_0]) -> f32 {
+pub(super) fn vec_dot_q4_0_q8_0(x: &[BlockQ4_0], y: &[BlockQ8_0]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_q4_0_q8_0 block counts");
     // SAFETY: see above.
     unsafe { dot_q4_0_q8_0(x, y) }
 }
 
-fn vec_dot_q4_1_q8_0(x: &[BlockQ4_1], y: &[BlockQ8_0]) -> f32 {
+pub(super) fn vec_dot_q4_1_q8_0(x: &[BlockQ4_1], y: &[BlockQ8_0]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_q4_1_q8_0 block counts");
     // SAFETY: see above.
     unsafe { dot_q4_1_q8_0(x, y) }
 }
 
-fn vec_dot_q5_0_q8_0(x: &[BlockQ5_0], y: &[BlockQ8_0]) -> f32 {
+pub(super) fn vec_dot_q5_0_q8_0(x: &[BlockQ5_0], y: &[BlockQ8_0]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_q5_0_q8_0 block counts");
     // SAFETY: see above.
     unsafe { dot_q5_0_q8_0(x, y) }
 }
 
-fn vec_dot_q8_0_q8_0(x: &[BlockQ8_0], y: &[BlockQ8_0]) -> f32 {
+pub(super) fn vec_dot_q8_0_q8_0(x: &[BlockQ8_0], y: &[BlockQ8_0]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_q8_0_q8_0 block counts");
     // SAFETY: see above.
     unsafe { dot_q8_0_q8_0(x, y) }
 }
 
-fn vec_dot_f32(x: &[f32], y: &[f32]) -> f32 {
+pub(super) fn vec_dot_f32(x: &[f32], y: &[f32]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_f32 lengths");
     // SAFETY: see above.
     unsafe { dot_f32(x, y) }
 }
 
-fn vec_dot_f32_fused(x: &[f32], y: &[f32]) -> f32 {
+pub(super) fn vec_dot_f32_fused(x: &[f32], y: &[f32]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_f32_fused lengths");
     // SAFETY: see above.
     unsafe { dot_f32_fused(x, y) }
 }
 
-fn dequantize_row_q4_1(x: &[BlockQ4_1], y: &mut [f32]) {
+pub(super) fn dequantize_row_q4_1(x: &[BlockQ4_1], y: &mut [f32]) {
     assert_eq!(y.len(), x.len() * QK4_1, "q4_1 dequantize_row lengths");
     // SAFETY: see above.
     unsafe { dequant_q4_1(x, y) }
 }
 
-fn dequantize_row_q8_0(x: &[BlockQ8_0], y: &mut [f32]) {
+pub(super) fn dequantize_row_q8_0(x: &[BlockQ8_0], y: &mut [f32]) {
     assert_eq!(y.len(), x.len() * QK8_0, "q8_0 dequantize_row lengths");
     // SAFETY: see above.
     unsafe { dequant_q8_0(x, y) }
 }
 
-fn quantize_row_q8_0(x: &[f32], y: &mut [BlockQ8_0]) {
+pub(super) fn quantize_row_q8_0(x: &[f32], y: &mut [BlockQ8_0]) {
     assert_eq!(x.len(), y.len() * QK8_0, "q8_0 quantize_row_ref lengths");
     // SAFETY: see above.
     unsafe { quant_q8_0(x, y) }
 }
 
-fn quantize_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
+pub(super) fn quantize_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
     crate::act16::check_quantize(x.len(), q.len(), scale.len(), sum.len());
     // SAFETY: see above.
     unsafe { quant_act16(x, q, scale, sum) }
@@ -204,13 +204,13 @@ fn gemm_act16<B: Block16>(w: F2Rows<'_, B>, acts: &crate::act16::Act16, out: &mu
     unsafe { gem16(w, acts, out) }
 }
 
-fn dot_fma1(w: &[f32], x: &[f32]) -> f32 {
+pub(super) fn dot_fma1(w: &[f32], x: &[f32]) -> f32 {
     assert_eq!(w.len(), x.len(), "dot_fma1 lengths");
     // SAFETY: see above.
     unsafe { fma1(w, x) }
 }
 
-fn matvec_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], out: &mut [f32]) {
+pub(super) fn matvec_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], out: &mut [f32]) {
     let nb = crate::q8_matvec::check_rows(w.len(), y.len(), out.len());
     if nb == 0 {
         return crate::q8_matvec::matvec_q4_1_q8_0_ref(w, y, out);
@@ -219,7 +219,7 @@ fn matvec_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], out: &mut [f32]) {
     unsafe { gemq_q4_1(Q4_1Blocks { w, nb }, nb, y, out) }
 }
 
-fn gemm_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], nb: usize, out: &mut [f32]) {
+pub(super) fn gemm_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], nb: usize, out: &mut [f32]) {
     crate::q8_matvec::check_gemm(w.len(), y.len(), nb, out.len());
     if nb == 0 {
         return crate::q8_matvec::gemm_q4_1_q8_0_ref(w, y, nb, out);
@@ -229,13 +229,13 @@ fn gemm_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], nb: usize, out: &mut [f32]) 
 }
 
 /// [`gemm_q4_1_q8_0`] on packed rows.
-fn gemm_q4_1_q8_0_f2(w: F2Rows<'_, BlockQ4_1>, y: &[BlockQ8_0], out: &mut [f32]) {
+pub(super) fn gemm_q4_1_q8_0_f2(w: F2Rows<'_, BlockQ4_1>, y: &[BlockQ8_0], out: &mut [f32]) {
     let nb = crate::q8_matvec::check_gemm_f2(&w, y, out.len());
     // SAFETY: see above; the shapes were checked, as `gemq_q4_1` requires.
     unsafe { gemq_q4_1(w, nb, y, out) }
 }
 
-fn matvec_q8_0_q8_0(w: &[BlockQ8_0], y: &[BlockQ8_0], out: &mut [f32]) {
+pub(super) fn matvec_q8_0_q8_0(w: &[BlockQ8_0], y: &[BlockQ8_0], out: &mut [f32]) {
     let nb = crate::q8_matvec::check_rows(w.len(), y.len(), out.len());
     if nb == 0 {
         return crate::q8_matvec::matvec_q8_0_q8_0_ref(w, y, out);
@@ -244,7 +244,7 @@ fn matvec_q8_0_q8_0(w: &[BlockQ8_0], y: &[BlockQ8_0], out: &mut [f32]) {
     unsafe { mvq_q8_0(w, nb, y, out) }
 }
 
-fn gemm_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
+pub(super) fn gemm_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
     let (rows, toks) = crate::fast::check_tile(w.len(), x.len(), k, out.len());
     if !k.is_multiple_of(8) {
         return crate::fast::gemm_tile_ref(w, x, k, out);
@@ -275,7 +275,7 @@ fn gemm_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
     );
 }
 
-fn exp_inplace(x: &mut [f32]) {
+pub(super) fn exp_inplace(x: &mut [f32]) {
     // SAFETY: see above.
     unsafe { exp_slice(x) }
 }
@@ -306,7 +306,7 @@ fn attn_group_checked<T: KvLanes>(
     }
 }
 
-fn widen_f16(src: &[u16], dst: &mut [f32]) {
+pub(super) fn widen_f16(src: &[u16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "widen_f16 lengths");
     // SAFETY: see above.
     unsafe { widen_f16_x8(src, dst) }
@@ -339,7 +339,7 @@ fn load_i8x8(b: &[i8; 32], k: usize) -> __m128i {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn load_f32x8(x: &[f32]) -> __m256 {
+pub(super) fn load_f32x8(x: &[f32]) -> __m256 {
     let x: &[f32; 8] = x[..8].try_into().unwrap();
     // SAFETY: `x` is 8 readable f32s; `loadu` has no alignment requirement.
     unsafe { _mm256_loadu_ps(x.as_ptr()) }
@@ -347,7 +347,7 @@ fn load_f32x8(x: &[f32]) -> __m256 {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn store_f32x8(out: &mut [f32], v: __m256) {
+pub(super) fn store_f32x8(out: &mut [f32], v: __m256) {
     let out: &mut [f32; 8] = (&mut out[..8]).try_into().unwrap();
     // SAFETY: `out` is 8 writable f32s; `storeu` has no alignment requirement.
     unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) }
@@ -1368,7 +1368,7 @@ fn quant_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
 /// starts `chunk`, widened.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn f2_heads<B: F2Block>(chunk: &[u8]) -> (__m256, __m256) {
+pub(super) fn f2_heads<B: F2Block>(chunk: &[u8]) -> (__m256, __m256) {
     let heads = &chunk[..B::HEAD_BYTES];
     let d: &[u8; 16] = heads[..16].try_into().unwrap();
     let d = _mm256_cvtph_ps(load_u8x16(d));
@@ -1580,7 +1580,7 @@ impl<B: Block16> Panel16<'_, B> {
 /// then their sum: the same additions on the same operands.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum_lanes(v: __m256) -> f32 {
+pub(super) fn hsum_lanes(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
@@ -1614,7 +1614,7 @@ fn fma1(w: &[f32], x: &[f32]) -> f32 {
 /// `groups_ahead` further on is requested, a slice of it per step (a chunk of
 /// eight blocks: per block, the bookkeeping cost a quarter of the decode kernel).
 #[derive(Clone, Copy)]
-struct Prefetch {
+pub(super) struct Prefetch {
     start: *const u8,
     /// Cache lines requested per step.
     per_step: usize,
@@ -1623,7 +1623,7 @@ struct Prefetch {
 impl Prefetch {
     /// For a group processed in `steps` steps (at least one).
     #[inline]
-    fn new<T>(group: &[T], groups_ahead: usize, steps: usize) -> Self {
+    pub(super) fn new<T>(group: &[T], groups_ahead: usize, steps: usize) -> Self {
         let bytes = size_of_val(group);
         Prefetch {
             start: group
@@ -1637,7 +1637,7 @@ impl Prefetch {
     /// Requests step `b`'s share of the group ahead.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn step(self, b: usize) {
+    pub(super) fn step(self, b: usize) {
         let per = self.per_step;
         for l in b * per..(b + 1) * per {
             // A hint only: `_mm_prefetch` never faults, and `wrapping_add` forms
@@ -1687,7 +1687,7 @@ unsafe fn tile<const R: usize, const T: usize>(w: &[f32], x: &[f32], k: usize, o
 /// [`crate::attn::exp_ref`] on 8 lanes: the same operations lane by lane.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn exp8(x: __m256) -> __m256 {
+pub(super) fn exp8(x: __m256) -> __m256 {
     let max = _mm256_set1_ps(EXP_MAX);
     // `if x > MAX { MAX } else { x }` (a NaN stays).
     let x = _mm256_blendv_ps(x, max, _mm256_cmp_ps::<_CMP_GT_OQ>(x, max));
@@ -1773,7 +1773,7 @@ fn hsum_8_transposed(a: &[__m256; 8]) -> __m256 {
 
 /// The K/V element types the grouped attention kernel reads, eight at a time as
 /// f32 lanes: f32 rows as they are, f16 rows widened with F16C (exact).
-trait KvLanes: crate::attn::KvElem {
+pub(super) trait KvLanes: crate::attn::KvElem {
     /// Eight consecutive elements at `p`, as f32.
     ///
     /// # Safety
@@ -1954,7 +1954,7 @@ const ATTN_PREFETCH_AHEAD: usize = 64;
 /// `wrapping_add` forms the addresses without claiming they are in bounds.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch_rows_ahead<T>(base: *const T, hd: usize, p: usize, count: usize) {
+pub(super) fn prefetch_rows_ahead<T>(base: *const T, hd: usize, p: usize, count: usize) {
     let start = base
         .wrapping_add((p + ATTN_PREFETCH_AHEAD) * hd)
         .cast::<i8>();
@@ -2009,7 +2009,7 @@ fn max_of(s: &[f32]) -> f32 {
 /// written over the scores, their sum in 8 lanes; then `m = m'`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn softmax_step(s: &mut [f32], st: &mut Running, acc: &mut [f32]) {
+pub(super) fn softmax_step(s: &mut [f32], st: &mut Running, acc: &mut [f32]) {
     let tmax = max_of(s);
     let m_new = st.m.max(tmax);
     if st.m != f32::NEG_INFINITY {
@@ -2048,7 +2048,12 @@ fn softmax_step(s: &mut [f32], st: &mut Running, acc: &mut [f32]) {
 /// readable elements, and the CPU has AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn accumulate_v<T: KvLanes, const G: usize, const R: usize, const STREAM: bool>(
+pub(super) unsafe fn accumulate_v<
+    T: KvLanes,
+    const G: usize,
+    const R: usize,
+    const STREAM: bool,
+>(
     w: &[f32],
     n: usize,
     vp: *const T,
