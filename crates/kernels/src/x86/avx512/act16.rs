@@ -9,18 +9,20 @@
 //! in the same instruction, and integer sums are exact in any grouping.
 //!
 //! - A batch (prefill) puts two tokens in a register, their lanes interleaved:
-//!   lane `2l` is the first token's lane `l`, lane `2l + 1` the second's. A
-//!   row's block is widened once with each 32-bit pair of quants duplicated
-//!   ([`Block16x2::quants_dup`]), the two tokens' activation blocks are
-//!   interleaved by one two-source permutation each for the even and the odd
-//!   elements, and each block's two scales `(c_t, c_u)` are one 64-bit
-//!   broadcast from the chunk's products `d·s`, formed sixteen at a time.
+//!   lane `2l` is the first token's lane `l`, lane `2l + 1` the second's. Each
+//!   panel of rows has its blocks widened once with every 32-bit pair of quants
+//!   duplicated ([`Block16x2::quants_dup`]) and each group of tokens its blocks
+//!   interleaved pair by pair once (two-source permutations), so that the tile
+//!   loop is loads, `vpmaddwd` + `vpdpwssd`, a conversion and an `fma` per
+//!   register, each block's two scales `(c_t, c_u)` one 64-bit broadcast from
+//!   the chunk's products `d·s`, formed sixteen at a time.
 //! - One token (decode) puts two rows in a register, one per 256-bit half
 //!   ([`Block16x2::quants_halves`], the 256-bit tier's widening side by side),
 //!   against the token's block broadcast to both halves; each block's scales
 //!   are one permutation of the chunk's products.
 //!
-//! The tiles' shapes were measured on Zen 5 (see [`TILE_ROWS`]).
+//! The tiles' shapes and the panel size were measured on Zen 5 (see
+//! [`TILE_ROWS`]).
 
 use std::arch::x86_64::*;
 
@@ -174,6 +176,25 @@ impl Block16x2 for BlockQ8_0 {
     }
 }
 
+/// `acc + madd(a, b)` as one `vpdpwssd` (LLVM otherwise splits the intrinsic
+/// into `vpmaddwd` and `vpaddd`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn dpwssd(mut acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+    // SAFETY: one instruction on register operands, which this function's
+    // target features (checked by the tier's detection) include.
+    unsafe {
+        std::arch::asm!(
+            "vpdpwssd {acc}, {a}, {b}",
+            acc = inout(zmm_reg) acc,
+            a = in(zmm_reg) a,
+            b = in(zmm_reg) b,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+    }
+    acc
+}
+
 /// Block `b` of an activation row: its 32 stored quants (evens, then odds).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -206,50 +227,101 @@ fn hsum_halves(v: __m512) -> [f32; 2] {
     ]
 }
 
-/// One batched tile of order F2: rows `rows` (indices into `w`) against the
-/// token pairs `toks` (each pair's two rows of activations interleaved in one
-/// set of `R·TP` accumulators). Per chunk of eight blocks each row's `d` and
-/// `m` are one load each, duplicated lane by lane, and each (row, pair)'s
-/// products `d·s` are formed sixteen wide; per block each row's quants are
-/// widened once for all pairs and each pair's activations interleaved once for
-/// all rows.
+/// A panel of rows' quants widened for [`tile_pairs`] ([`Block16x2::quants_dup`],
+/// per row its blocks in order) and a group of token pairs' activations
+/// interleaved (per pair its blocks in order, `[even, odd]` elements; and per
+/// pair and chunk of eight blocks the interleaved scales `s` and sums `σ`).
+#[derive(Default)]
+struct PairScratch {
+    quants: Vec<[__m512i; 2]>,
+    acts: Vec<[__m512i; 2]>,
+    scales: Vec<[__m512; 2]>,
+}
+
+thread_local! {
+    static PAIR_SCRATCH: std::cell::RefCell<PairScratch> =
+        std::cell::RefCell::new(PairScratch::default());
+}
+
+/// Widens the quants of rows `rows` of `w` into `out`, row after row.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn widen_panel<B: Block16x2>(
+    w: &F2Rows<'_, B>,
+    rows: std::ops::Range<usize>,
+    out: &mut Vec<[__m512i; 2]>,
+) {
+    let (nb, rb) = (w.nb, w.row_bytes());
+    out.clear();
+    for r in rows {
+        for c in 0..nb.div_ceil(CHUNK) {
+            let len = (nb - CHUNK * c).min(CHUNK);
+            let at = r * rb + c * B::CHUNK_BYTES + B::HEAD_BYTES;
+            let q = &w.bytes[at..at + len * B::QUANT_BYTES];
+            for j in 0..len {
+                // SAFETY: `q` holds `len` blocks' quants and j < len; AVX-512
+                // F/BW are enabled here.
+                out.push(unsafe { B::quants_dup(q.as_ptr().add(j * B::QUANT_BYTES)) });
+            }
+        }
+    }
+}
+
+/// Interleaves the activations of the token pairs `toks` into `sc`: per pair
+/// each block's even and odd elements, and per chunk the scales and sums.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn interleave_tokens(toks: &[[Act16Row<'_>; 2]], nb: usize, sc: &mut PairScratch) {
+    let (even, odd) = (const { interleave_idx(0) }, const { interleave_idx(8) });
+    sc.acts.clear();
+    sc.scales.clear();
+    for [t, u] in toks {
+        for b in 0..nb {
+            let (xt, xu) = (act_block(t, b), act_block(u, b));
+            sc.acts.push([
+                _mm512_permutex2var_epi32(xt, even, xu),
+                _mm512_permutex2var_epi32(xt, odd, xu),
+            ]);
+        }
+        for c in (0..nb).step_by(CHUNK) {
+            let s = _mm512_permutex2var_ps(load8(t.scale, c), even, load8(u.scale, c));
+            let sigma = _mm512_permutex2var_ps(load8(t.sum, c), even, load8(u.sum, c));
+            sc.scales.push([s, sigma]);
+        }
+    }
+}
+
+/// One batched tile of order F2: `R` rows (`rows`, indices into `w`; their
+/// widened quants `quants`) against `TP` token pairs (interleaved in `acts`
+/// and `scales`), `R·TP` registers of two accumulators. Per chunk of eight
+/// blocks each row's `d` and `m` are one load each, duplicated lane by lane,
+/// and each (row, pair)'s products `d·s` formed sixteen wide; per block each
+/// row's quants and each pair's activations are loaded once.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)] // r and p index several arrays at once
 fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
     w: &F2Rows<'_, B>,
     rows: [usize; R],
-    toks: &[[Act16Row<'_>; 2]; TP],
+    quants: [&[[__m512i; 2]]; R],
+    acts: &[[__m512i; 2]],
+    scales: &[[__m512; 2]],
 ) -> [[[f32; 2]; TP]; R] {
     let (nb, rb) = (w.nb, w.row_bytes());
+    let n_chunks = nb.div_ceil(CHUNK);
     let mut acc = [[_mm512_setzero_ps(); TP]; R];
     let mut macc = [[_mm512_setzero_ps(); TP]; R];
-    let (even, odd) = (const { interleave_idx(0) }, const { interleave_idx(8) });
-    for c in 0..nb.div_ceil(CHUNK) {
+    for c in 0..n_chunks {
         let len = (nb - CHUNK * c).min(CHUNK);
         let mut cs = [[_mm512_setzero_ps(); TP]; R];
-        let mut quants = [std::ptr::null::<u8>(); R];
         for r in 0..R {
-            let chunk = &w.bytes[rows[r] * rb + c * B::CHUNK_BYTES..]
-                [..B::HEAD_BYTES + len * B::QUANT_BYTES];
-            quants[r] = chunk[B::HEAD_BYTES..].as_ptr();
-            let (d, m) = f2_heads::<B>(chunk);
+            let (d, m) = f2_heads::<B>(&w.bytes[rows[r] * rb + c * B::CHUNK_BYTES..]);
             let d = _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(d));
+            let m = _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(m));
             for p in 0..TP {
-                let [t, u] = &toks[p];
-                let s = _mm512_permutex2var_ps(
-                    load8(t.scale, CHUNK * c),
-                    even,
-                    load8(u.scale, CHUNK * c),
-                );
+                let [s, sigma] = scales[p * n_chunks + c];
                 cs[r][p] = _mm512_mul_ps(d, s);
                 if B::HAS_MIN {
-                    let m = _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(m));
-                    let sigma = _mm512_permutex2var_ps(
-                        load8(t.sum, CHUNK * c),
-                        even,
-                        load8(u.sum, CHUNK * c),
-                    );
                     macc[r][p] = _mm512_fmadd_ps(m, sigma, macc[r][p]);
                 }
             }
@@ -257,19 +329,11 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
         let cs = cs.as_ptr().cast::<f64>();
         for j in 0..len {
             let b = CHUNK * c + j;
-            let mut wq = [[_mm512_setzero_si512(); 2]; R];
+            let x: [[__m512i; 2]; TP] = std::array::from_fn(|p| acts[p * nb + b]);
             for r in 0..R {
-                // SAFETY: row r's chunk slice holds `len` blocks' quants after its
-                // heads, and j < len; AVX-512 F/BW are enabled here.
-                wq[r] = unsafe { B::quants_dup(quants[r].add(j * B::QUANT_BYTES)) };
-            }
-            for p in 0..TP {
-                let [t, u] = &toks[p];
-                let (xt, xu) = (act_block(t, b), act_block(u, b));
-                let xe = _mm512_permutex2var_epi32(xt, even, xu);
-                let xo = _mm512_permutex2var_epi32(xt, odd, xu);
-                for r in 0..R {
-                    let sums = _mm512_dpwssd_epi32(_mm512_madd_epi16(wq[r][0], xe), wq[r][1], xo);
+                let [we, wo] = quants[r][b];
+                for p in 0..TP {
+                    let sums = dpwssd(_mm512_madd_epi16(we, x[p][0]), wo, x[p][1]);
                     // SAFETY: `cs` holds R·TP vectors of 16 floats, 8 pairs each;
                     // (r·TP + p)·8 + j indexes pair j of vector (r, p).
                     let cb = _mm512_castpd_ps(_mm512_set1_pd(unsafe {
@@ -365,7 +429,7 @@ fn tile_rows<B: Block16x2, const RP: usize>(
                         quants[r][1].add(j * B::QUANT_BYTES),
                     )
                 };
-                let sums = _mm512_dpwssd_epi32(_mm512_madd_epi16(wq[0], xe), wq[1], xo);
+                let sums = dpwssd(_mm512_madd_epi16(wq[0], xe), wq[1], xo);
                 let cb = _mm512_permutexvar_ps(pick, cs[r]);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), cb, acc[r]);
             }
@@ -384,13 +448,17 @@ fn tile_rows<B: Block16x2, const RP: usize>(
 }
 
 /// The batched tile of [`gem16`]: [`TILE_ROWS`] rows x [`TILE_PAIRS`] pairs of
-/// tokens.
-const TILE_ROWS: usize = 4;
+/// tokens (12 registers of accumulators, 8 of interleaved activations, the
+/// row's two of quants). Measured on Zen 5 (1 thread, 256 tokens against Q4_1
+/// rows of 576 and 1536): 3x4 91-96 MAC/ns, 4x3 78-97, 4x4 74-90 (spills the
+/// loop's registers), 2x6, 3x5, 5x3 and 6x2 57-91; the AVX2 tier's 2x6 42-50.
+const TILE_ROWS: usize = 3;
 const TILE_PAIRS: usize = 4;
-/// Row pairs of the decode tile.
+/// Row pairs of the decode tile (4 rows: measured as fast as 8, and faster
+/// than 2).
 const DECODE_PAIRS: usize = 2;
-/// Packed weight bytes per panel of the batched path, as on the 256-bit tier:
-/// a panel of rows stays in L2 while every group of tokens passes over it.
+/// Packed weight bytes per panel of the batched path (widened to eight times
+/// that for the tiles, in L2): 24-96 KiB measured alike, 16 KiB slower.
 const PANEL_BYTES: usize = 48 * 1024;
 
 /// [`crate::act16::gemm_q4_1_ref`] and its Q8_0 twin on packed rows against
@@ -421,29 +489,36 @@ fn gem16<B: Block16x2>(w: F2Rows<'_, B>, acts: &Act16, out: &mut [f32]) {
     let panel_rows = (PANEL_BYTES / w.row_bytes())
         .max(1)
         .next_multiple_of(TILE_ROWS);
-    let last_tok = n_tok - 1;
-    for p0 in (0..n_rows).step_by(panel_rows) {
-        let p1 = (p0 + panel_rows).min(n_rows);
-        for t0 in (0..n_tok).step_by(2 * TILE_PAIRS) {
-            let toks: [[Act16Row<'_>; 2]; TILE_PAIRS] = std::array::from_fn(|p| {
-                [
-                    acts.row((t0 + 2 * p).min(last_tok)),
-                    acts.row((t0 + 2 * p + 1).min(last_tok)),
-                ]
-            });
-            let n_t = (n_tok - t0).min(2 * TILE_PAIRS);
-            for r0 in (p0..p1).step_by(TILE_ROWS) {
-                let rows = std::array::from_fn(|r| (r0 + r).min(last));
-                let v = tile_pairs::<B, TILE_ROWS, TILE_PAIRS>(&w, rows, &toks);
-                let n_r = (p1 - r0).min(TILE_ROWS);
-                for (r, v) in v.iter().enumerate().take(n_r) {
-                    for (t, v) in v.as_flattened().iter().enumerate().take(n_t) {
-                        out[(t0 + t) * n_rows + r0 + r] = *v;
+    let (nb, last_tok) = (w.nb, n_tok - 1);
+    PAIR_SCRATCH.with_borrow_mut(|sc| {
+        for p0 in (0..n_rows).step_by(panel_rows) {
+            let p1 = (p0 + panel_rows).min(n_rows);
+            widen_panel(&w, p0..p1, &mut sc.quants);
+            for t0 in (0..n_tok).step_by(2 * TILE_PAIRS) {
+                let toks: [[Act16Row<'_>; 2]; TILE_PAIRS] = std::array::from_fn(|p| {
+                    [
+                        acts.row((t0 + 2 * p).min(last_tok)),
+                        acts.row((t0 + 2 * p + 1).min(last_tok)),
+                    ]
+                });
+                interleave_tokens(&toks, nb, sc);
+                let n_t = (n_tok - t0).min(2 * TILE_PAIRS);
+                for r0 in (p0..p1).step_by(TILE_ROWS) {
+                    let rows: [usize; TILE_ROWS] = std::array::from_fn(|r| (r0 + r).min(p1 - 1));
+                    let quants = rows.map(|r| &sc.quants[(r - p0) * nb..(r - p0 + 1) * nb]);
+                    let v = tile_pairs::<B, TILE_ROWS, TILE_PAIRS>(
+                        &w, rows, quants, &sc.acts, &sc.scales,
+                    );
+                    let n_r = (p1 - r0).min(TILE_ROWS);
+                    for (r, v) in v.iter().enumerate().take(n_r) {
+                        for (t, v) in v.as_flattened().iter().enumerate().take(n_t) {
+                            out[(t0 + t) * n_rows + r0 + r] = *v;
+                        }
                     }
                 }
             }
         }
-    }
+    });
 }
 
 /// [`crate::act16::gemm_q4_1_ref`] and [`crate::act16::gemm_q8_0_ref`] on
