@@ -52,6 +52,16 @@ pub struct Act16 {
     scale: Vec<f32>,
     /// Per row [`stride`] values: the blocks' `σ = s·Σq`, then zeros.
     sum: Vec<f32>,
+    /// Which fill this is: distinct for every fill in the process (0 before
+    /// the first), so that a kernel may keep its own arrangement of these
+    /// values across calls with the same activations ([`Self::fill_id`]).
+    fill_id: u64,
+}
+
+/// Gives each fill of an [`Act16`] its id.
+fn next_fill_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// One row of [`Act16`]: `q` holds `32·nb` quants; `scale` and `sum` hold the
@@ -95,12 +105,18 @@ impl Act16 {
         {
             quantize_row(xr, qr, &mut sr[..nb], &mut gr[..nb]);
         }
-        (self.n, self.rows) = (n, rows);
+        (self.n, self.rows, self.fill_id) = (n, rows, next_fill_id());
     }
 
     /// Row length in elements (0 before the first fill).
     pub fn n(&self) -> usize {
         self.n
+    }
+
+    /// The id of the current fill: two `Act16` with the same id hold the same
+    /// values (one was cloned from the other after that fill).
+    pub(crate) fn fill_id(&self) -> u64 {
+        self.fill_id
     }
 
     /// Rows held.
@@ -142,6 +158,7 @@ impl Act16 {
             scale: pad(scale),
             sum: pad(sum),
             q,
+            fill_id: next_fill_id(),
         }
     }
 }

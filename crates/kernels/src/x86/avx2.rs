@@ -2009,7 +2009,7 @@ fn max_of(s: &[f32]) -> f32 {
 /// written over the scores, their sum in 8 lanes; then `m = m'`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn softmax_step(s: &mut [f32], st: &mut Running, acc: &mut [f32]) {
+fn softmax_step(s: &mut [f32], st: &mut Running, acc: &mut [f32]) {
     let tmax = max_of(s);
     let m_new = st.m.max(tmax);
     if st.m != f32::NEG_INFINITY {

@@ -10,6 +10,8 @@
 //! (which this tier may call: it is only handed out where the AVX2 tier's
 //! features are present too); each says why below.
 
+use std::arch::x86_64::*;
+
 use crate::q4_1::BlockQ4_1;
 use crate::q8_0::BlockQ8_0;
 use crate::Kernels;
@@ -37,7 +39,7 @@ pub(super) static KERNELS: Kernels = Kernels {
     gemm_q4_1_q8_0: avx2::gemm_q4_1_q8_0,
     gemm_q4_1_q8_0_f2: avx2::gemm_q4_1_q8_0_f2,
     gemm_tile: avx2::gemm_tile,
-    exp_inplace: avx2::exp_inplace,
+    exp_inplace: attn::exp_inplace,
     attn_group_f32: attn::attn_group_checked::<f32>,
     attn_group_f16: attn::attn_group_checked::<u16>,
     widen_f16: avx2::widen_f16,
@@ -53,3 +55,48 @@ pub(super) static KERNELS: Kernels = Kernels {
     dequantize_row_f16: avx2::dequantize_row_f16,
     dequantize_row_bf16: avx2::dequantize_row_bf16,
 };
+
+// ---- helpers shared by the submodules -----------------------------------------
+
+/// `out[2i + h] = reduce_lanes(half h of a[i]) · scale` (the lane reduction of
+/// [`crate::f32`]), eight registers (sixteen accumulators) at a time through
+/// one transposed horizontal sum; a last group is padded with zeros.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn reduce_pairs(a: &[__m512], scale: f32, out: &mut [f32]) {
+    debug_assert!(out.len() == 2 * a.len());
+    // Position i of the final register holds accumulator 4·(i % 4) + i / 4.
+    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (a, out) in a.chunks(8).zip(out.chunks_mut(16)) {
+        let mut r = [_mm512_setzero_ps(); 8];
+        r[..a.len()].copy_from_slice(a);
+        // Each 128-bit lane of u_i is one accumulator's [a0+a4, a1+a5, a2+a6,
+        // a3+a7]: accumulators 4i..4i + 4.
+        let u: [__m512; 4] = std::array::from_fn(|i| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(r[2 * i], r[2 * i + 1]),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(r[2 * i], r[2 * i + 1]),
+            )
+        });
+        // Lane k: [y0, y1] of accumulators k and 4 + k (c), 8 + k and 12 + k (d),
+        // with y0 = (a0+a4)+(a2+a6) and y1 = (a1+a5)+(a3+a7).
+        let c = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(u[0], u[1]),
+            _mm512_shuffle_ps::<0xEE>(u[0], u[1]),
+        );
+        let d = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(u[2], u[3]),
+            _mm512_shuffle_ps::<0xEE>(u[2], u[3]),
+        );
+        // Lane k: y0 + y1 of accumulators k, 4 + k, 8 + k, 12 + k.
+        let z = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x88>(c, d),
+            _mm512_shuffle_ps::<0xDD>(c, d),
+        );
+        let sums = _mm512_mul_ps(_mm512_permutexvar_ps(order, z), _mm512_set1_ps(scale));
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: `lanes` is 16 writable f32s; `storeu` has no alignment requirement.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), sums) };
+        out.copy_from_slice(&lanes[..out.len()]);
+    }
+}

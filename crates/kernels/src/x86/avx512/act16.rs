@@ -26,7 +26,8 @@
 
 use std::arch::x86_64::*;
 
-use super::super::avx2::{f2_heads, hsum_lanes, Prefetch};
+use super::super::avx2::{f2_heads, Prefetch};
+use super::reduce_pairs;
 use crate::act16::{Act16, Act16Row, F2Block, F2Rows, ACT16_MAX, CHUNK, QK_ACT16};
 use crate::q4_1::BlockQ4_1;
 use crate::q8_0::BlockQ8_0;
@@ -214,26 +215,17 @@ fn load8(v: &[f32], at: usize) -> __m512 {
     _mm512_castps256_ps512(unsafe { _mm256_loadu_ps(v.as_ptr()) })
 }
 
-/// The sums of the two (row, token) accumulators in `v`, as [`hsum_lanes`]
-/// forms each (lanes of the first in the low half, the second in the high).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn hsum_halves(v: __m512) -> [f32; 2] {
-    [
-        hsum_lanes(_mm512_castps512_ps256(v)),
-        hsum_lanes(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
-            _mm512_castps_pd(v),
-        ))),
-    ]
-}
-
 /// A panel of rows' quants widened for [`tile_pairs`] ([`Block16x2::quants_dup`],
-/// per row its blocks in order) and a group of token pairs' activations
-/// interleaved (per pair its blocks in order, `[even, odd]` elements; and per
-/// pair and chunk of eight blocks the interleaved scales `s` and sums `σ`).
+/// per row its blocks in order), and the activations of one fill of an
+/// [`Act16`] (`acts_id`, its [`Act16::fill_id`]) interleaved by pairs of tokens
+/// (per pair its blocks in order, `[even, odd]` elements; and per pair and
+/// chunk of eight blocks the interleaved scales `s` and sums `σ`), kept across
+/// calls: every unit of rows and every matrix of a call takes the same
+/// activations.
 #[derive(Default)]
 struct PairScratch {
     quants: Vec<[__m512i; 2]>,
+    acts_id: u64,
     acts: Vec<[__m512i; 2]>,
     scales: Vec<[__m512; 2]>,
 }
@@ -267,17 +259,23 @@ fn widen_panel<B: Block16x2>(
     }
 }
 
-/// Interleaves the activations of the token pairs `toks` into `sc`: per pair
-/// each block's even and odd elements, and per chunk the scales and sums.
+/// Interleaves the rows of `acts` into `sc` by pairs of tokens (an odd last
+/// token paired with itself): per pair each block's even and odd elements,
+/// and per chunk the scales and sums. Nothing to do if `sc` holds them already.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn interleave_tokens(toks: &[[Act16Row<'_>; 2]], nb: usize, sc: &mut PairScratch) {
+fn interleave_tokens(acts: &Act16, sc: &mut PairScratch) {
+    if sc.acts_id == acts.fill_id() {
+        return;
+    }
     let (even, odd) = (const { interleave_idx(0) }, const { interleave_idx(8) });
+    let (nb, n_tok) = (acts.n() / QK_ACT16, acts.rows());
     sc.acts.clear();
     sc.scales.clear();
-    for [t, u] in toks {
+    for t0 in (0..n_tok).step_by(2) {
+        let (t, u) = (acts.row(t0), acts.row((t0 + 1).min(n_tok - 1)));
         for b in 0..nb {
-            let (xt, xu) = (act_block(t, b), act_block(u, b));
+            let (xt, xu) = (act_block(&t, b), act_block(&u, b));
             sc.acts.push([
                 _mm512_permutex2var_epi32(xt, even, xu),
                 _mm512_permutex2var_epi32(xt, odd, xu),
@@ -289,6 +287,7 @@ fn interleave_tokens(toks: &[[Act16Row<'_>; 2]], nb: usize, sc: &mut PairScratch
             sc.scales.push([s, sigma]);
         }
     }
+    sc.acts_id = acts.fill_id();
 }
 
 /// One batched tile of order F2: `R` rows (`rows`, indices into `w`; their
@@ -304,8 +303,8 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
     w: &F2Rows<'_, B>,
     rows: [usize; R],
     quants: [&[[__m512i; 2]]; R],
-    acts: &[[__m512i; 2]],
-    scales: &[[__m512; 2]],
+    acts: [&[[__m512i; 2]]; TP],
+    scales: [&[[__m512; 2]]; TP],
 ) -> [[[f32; 2]; TP]; R] {
     let (nb, rb) = (w.nb, w.row_bytes());
     let n_chunks = nb.div_ceil(CHUNK);
@@ -319,7 +318,7 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
             let d = _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(d));
             let m = _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(m));
             for p in 0..TP {
-                let [s, sigma] = scales[p * n_chunks + c];
+                let [s, sigma] = scales[p][c];
                 cs[r][p] = _mm512_mul_ps(d, s);
                 if B::HAS_MIN {
                     macc[r][p] = _mm512_fmadd_ps(m, sigma, macc[r][p]);
@@ -329,7 +328,7 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
         let cs = cs.as_ptr().cast::<f64>();
         for j in 0..len {
             let b = CHUNK * c + j;
-            let x: [[__m512i; 2]; TP] = std::array::from_fn(|p| acts[p * nb + b]);
+            let x: [[__m512i; 2]; TP] = std::array::from_fn(|p| acts[p][b]);
             for r in 0..R {
                 let [we, wo] = quants[r][b];
                 for p in 0..TP {
@@ -344,7 +343,7 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
             }
         }
     }
-    let mut out = [[[0.0f32; 2]; TP]; R];
+    let mut halves = [[_mm512_setzero_ps(); TP]; R];
     for r in 0..R {
         for p in 0..TP {
             let v = if B::HAS_MIN {
@@ -352,9 +351,16 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
             } else {
                 acc[r][p]
             };
-            out[r][p] = hsum_halves(_mm512_permutexvar_ps(DEINTERLEAVE, v));
+            halves[r][p] = _mm512_permutexvar_ps(DEINTERLEAVE, v);
         }
     }
+    let mut out = [[[0.0f32; 2]; TP]; R];
+    // Times 1: exact.
+    reduce_pairs(
+        halves.as_flattened(),
+        1.0,
+        out.as_flattened_mut().as_flattened_mut(),
+    );
     out
 }
 
@@ -435,15 +441,14 @@ fn tile_rows<B: Block16x2, const RP: usize>(
             }
         }
     }
-    let mut out = [[0.0f32; 2]; RP];
-    for r in 0..RP {
-        let v = if B::HAS_MIN {
-            _mm512_add_ps(acc[r], macc[r])
-        } else {
-            acc[r]
-        };
-        out[r] = hsum_halves(v);
+    if B::HAS_MIN {
+        for (a, m) in acc.iter_mut().zip(macc) {
+            *a = _mm512_add_ps(*a, m);
+        }
     }
+    let mut out = [[0.0f32; 2]; RP];
+    // Times 1: exact.
+    reduce_pairs(&acc, 1.0, out.as_flattened_mut());
     out
 }
 
@@ -489,26 +494,22 @@ fn gem16<B: Block16x2>(w: F2Rows<'_, B>, acts: &Act16, out: &mut [f32]) {
     let panel_rows = (PANEL_BYTES / w.row_bytes())
         .max(1)
         .next_multiple_of(TILE_ROWS);
-    let (nb, last_tok) = (w.nb, n_tok - 1);
+    let (nb, n_chunks, n_pairs) = (w.nb, w.nb.div_ceil(CHUNK), n_tok.div_ceil(2));
     PAIR_SCRATCH.with_borrow_mut(|sc| {
+        interleave_tokens(acts, sc);
         for p0 in (0..n_rows).step_by(panel_rows) {
             let p1 = (p0 + panel_rows).min(n_rows);
             widen_panel(&w, p0..p1, &mut sc.quants);
-            for t0 in (0..n_tok).step_by(2 * TILE_PAIRS) {
-                let toks: [[Act16Row<'_>; 2]; TILE_PAIRS] = std::array::from_fn(|p| {
-                    [
-                        acts.row((t0 + 2 * p).min(last_tok)),
-                        acts.row((t0 + 2 * p + 1).min(last_tok)),
-                    ]
-                });
-                interleave_tokens(&toks, nb, sc);
-                let n_t = (n_tok - t0).min(2 * TILE_PAIRS);
+            for g0 in (0..n_pairs).step_by(TILE_PAIRS) {
+                // Pairs g0.. of the group, the last one repeated past the end.
+                let pairs: [usize; TILE_PAIRS] = std::array::from_fn(|p| (g0 + p).min(n_pairs - 1));
+                let acts = pairs.map(|p| &sc.acts[p * nb..(p + 1) * nb]);
+                let scales = pairs.map(|p| &sc.scales[p * n_chunks..(p + 1) * n_chunks]);
+                let (t0, n_t) = (2 * g0, (n_tok - 2 * g0).min(2 * TILE_PAIRS));
                 for r0 in (p0..p1).step_by(TILE_ROWS) {
                     let rows: [usize; TILE_ROWS] = std::array::from_fn(|r| (r0 + r).min(p1 - 1));
                     let quants = rows.map(|r| &sc.quants[(r - p0) * nb..(r - p0 + 1) * nb]);
-                    let v = tile_pairs::<B, TILE_ROWS, TILE_PAIRS>(
-                        &w, rows, quants, &sc.acts, &sc.scales,
-                    );
+                    let v = tile_pairs::<B, TILE_ROWS, TILE_PAIRS>(&w, rows, quants, acts, scales);
                     let n_r = (p1 - r0).min(TILE_ROWS);
                     for (r, v) in v.iter().enumerate().take(n_r) {
                         for (t, v) in v.as_flattened().iter().enumerate().take(n_t) {

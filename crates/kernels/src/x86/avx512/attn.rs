@@ -8,12 +8,13 @@
 //! The V accumulation has no lane structure (lane `d` sums over the positions
 //! in order), so it simply runs 16 dimensions per register and a whole head of
 //! 64 for up to four queries in the 32 registers. The softmax step between the
-//! two is the AVX2 tier's.
+//! two is the AVX2 tier's, with 16 lanes where its order allows.
 
 use std::arch::x86_64::*;
 
-use super::super::avx2::{accumulate_v, prefetch_rows_ahead, softmax_step, KvLanes};
-use crate::attn::Running;
+use super::super::avx2::{accumulate_v, exp8, prefetch_rows_ahead, KvLanes};
+use super::reduce_pairs;
+use crate::attn::{exp_ref, Running, EXP_LN2_HI, EXP_LN2_LO, EXP_LOG2E, EXP_MAX, EXP_MIN, EXP_P};
 
 /// K/V elements read 16 at a time (V) or as two rows' 8 (K).
 pub(super) trait KvLanes16: KvLanes {
@@ -224,49 +225,6 @@ unsafe fn group_scores<T: KvLanes16, const G: usize, const PP: usize, const STRE
     }
 }
 
-/// `out[2i + h] = reduce_lanes(half h of a[i]) · scale` (the lane reduction of
-/// [`crate::f32`]), eight registers (sixteen accumulators) at a time through
-/// one transposed horizontal sum; a last group is padded with zeros.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn reduce_pairs(a: &[__m512], scale: f32, out: &mut [f32]) {
-    debug_assert!(out.len() == 2 * a.len());
-    // Position i of the final register holds accumulator 4·(i % 4) + i / 4.
-    let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    for (a, out) in a.chunks(8).zip(out.chunks_mut(16)) {
-        let mut r = [_mm512_setzero_ps(); 8];
-        r[..a.len()].copy_from_slice(a);
-        // Each 128-bit lane of u_i is one accumulator's [a0+a4, a1+a5, a2+a6,
-        // a3+a7]: accumulators 4i..4i + 4.
-        let u: [__m512; 4] = std::array::from_fn(|i| {
-            _mm512_add_ps(
-                _mm512_shuffle_f32x4::<0b10_00_10_00>(r[2 * i], r[2 * i + 1]),
-                _mm512_shuffle_f32x4::<0b11_01_11_01>(r[2 * i], r[2 * i + 1]),
-            )
-        });
-        // Lane k: [y0, y1] of accumulators k and 4 + k (c), 8 + k and 12 + k (d),
-        // with y0 = (a0+a4)+(a2+a6) and y1 = (a1+a5)+(a3+a7).
-        let c = _mm512_add_ps(
-            _mm512_shuffle_ps::<0x44>(u[0], u[1]),
-            _mm512_shuffle_ps::<0xEE>(u[0], u[1]),
-        );
-        let d = _mm512_add_ps(
-            _mm512_shuffle_ps::<0x44>(u[2], u[3]),
-            _mm512_shuffle_ps::<0xEE>(u[2], u[3]),
-        );
-        // Lane k: y0 + y1 of accumulators k, 4 + k, 8 + k, 12 + k.
-        let z = _mm512_add_ps(
-            _mm512_shuffle_ps::<0x88>(c, d),
-            _mm512_shuffle_ps::<0xDD>(c, d),
-        );
-        let sums = _mm512_mul_ps(_mm512_permutexvar_ps(order, z), _mm512_set1_ps(scale));
-        let mut lanes = [0.0f32; 16];
-        // SAFETY: `lanes` is 16 writable f32s; `storeu` has no alignment requirement.
-        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), sums) };
-        out.copy_from_slice(&lanes[..out.len()]);
-    }
-}
-
 /// `acc_g[d] = fma(w_g[p], v[p·hd + d], acc_g[d])` for the `G` queries (weights
 /// `w[g·n..]`, outputs `acc[g·hd..]`), `d` in `d0..d0 + 16R`, `p` in order:
 /// each V vector is loaded (and widened) once for the `G` queries.
@@ -340,4 +298,122 @@ pub(super) fn attn_group_checked<T: KvLanes16>(
             attn_group::<T, false>(q, k, v, n, hd, scale, st, acc, scores)
         }
     }
+}
+
+/// [`crate::attn::exp_ref`] on 16 lanes: the AVX2 tier's `exp8`, lane by lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn exp16(x: __m512) -> __m512 {
+    let max = _mm512_set1_ps(EXP_MAX);
+    // `if x > MAX { MAX } else { x }` (a NaN stays).
+    let x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, max), x, max);
+    let small = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_MIN));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
+    );
+    let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_LN2_HI), x);
+    let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_LN2_LO), r);
+    let mut p = _mm512_set1_ps(EXP_P[0]);
+    for &c in &EXP_P[1..] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let y = _mm512_add_ps(
+        _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r),
+        _mm512_set1_ps(1.0),
+    );
+    // Lanes below MIN (and -inf) get garbage exponents here; they are set to +0.
+    let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+        _mm512_cvtps_epi32(n),
+        _mm512_set1_epi32(127),
+    ));
+    _mm512_maskz_mul_ps(!small, y, _mm512_castsi512_ps(e))
+}
+
+/// `x[i] = exp_ref(x[i])`, 16 at a time.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn exp_slice(x: &mut [f32]) {
+    let mut chunks = x.chunks_exact_mut(16);
+    for c in chunks.by_ref() {
+        // SAFETY: `c` is 16 f32s, read and written in place; `loadu`/`storeu`
+        // have no alignment requirement.
+        unsafe { _mm512_storeu_ps(c.as_mut_ptr(), exp16(_mm512_loadu_ps(c.as_ptr()))) };
+    }
+    for v in chunks.into_remainder() {
+        *v = exp_ref(*v);
+    }
+}
+
+/// [`crate::attn::exp_inplace_ref`]: the table entry.
+pub(super) fn exp_inplace(x: &mut [f32]) {
+    // SAFETY: the tier is handed out only after detection (see `super`).
+    unsafe { exp_slice(x) }
+}
+
+/// Steps 2 and 3 of [`crate::attn::attn_tile_ref`] for one query, as the AVX2
+/// tier's `softmax_step` with 16 lanes where the order allows: the new
+/// maximum (independent of the order), the running state and `acc` rescaled
+/// (per element), the weights `exp(s - m')` sixteen at a time, each group's
+/// two halves added to the eight lane sums in position order; then one group
+/// of eight and single positions, as on the AVX2 tier.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn softmax_step(s: &mut [f32], st: &mut Running, acc: &mut [f32]) {
+    let mut m16 = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut groups = s.chunks_exact(16);
+    for g in groups.by_ref() {
+        // SAFETY: `g` is 16 readable f32s; `loadu` has no alignment requirement.
+        m16 = _mm512_max_ps(m16, unsafe { _mm512_loadu_ps(g.as_ptr()) });
+    }
+    let tmax = groups
+        .remainder()
+        .iter()
+        .fold(_mm512_reduce_max_ps(m16), |m, &v| m.max(v));
+    let m_new = st.m.max(tmax);
+    if st.m != f32::NEG_INFINITY {
+        let c = exp_ref(st.m - m_new);
+        st.l *= c;
+        let mut parts = acc.chunks_exact_mut(16);
+        for a in parts.by_ref() {
+            // SAFETY: `a` is 16 f32s, read and written in place.
+            unsafe {
+                _mm512_storeu_ps(
+                    a.as_mut_ptr(),
+                    _mm512_mul_ps(_mm512_loadu_ps(a.as_ptr()), _mm512_set1_ps(c)),
+                )
+            };
+        }
+        parts.into_remainder().iter_mut().for_each(|a| *a *= c);
+    }
+    let mut lanes = _mm256_setzero_ps();
+    let mut groups = s.chunks_exact_mut(16);
+    for g in groups.by_ref() {
+        // SAFETY: `g` is 16 f32s, read and written in place.
+        let w = unsafe { _mm512_loadu_ps(g.as_ptr()) };
+        let w = exp16(_mm512_sub_ps(w, _mm512_set1_ps(m_new)));
+        lanes = _mm256_add_ps(lanes, _mm512_castps512_ps256(w));
+        lanes = _mm256_add_ps(
+            lanes,
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(w))),
+        );
+        // SAFETY: as the load.
+        unsafe { _mm512_storeu_ps(g.as_mut_ptr(), w) };
+    }
+    let mut rest = groups.into_remainder().chunks_exact_mut(8);
+    for g in rest.by_ref() {
+        // SAFETY: `g` is 8 f32s, read and written in place.
+        let w = unsafe { _mm256_loadu_ps(g.as_ptr()) };
+        let w = exp8(_mm256_sub_ps(w, _mm256_set1_ps(m_new)));
+        lanes = _mm256_add_ps(lanes, w);
+        // SAFETY: as the load.
+        unsafe { _mm256_storeu_ps(g.as_mut_ptr(), w) };
+    }
+    let mut sums = [0.0f32; 8];
+    // SAFETY: `sums` is 8 writable f32s.
+    unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), lanes) };
+    for (j, w) in rest.into_remainder().iter_mut().enumerate() {
+        *w = exp_ref(*w - m_new);
+        sums[j] += *w;
+    }
+    st.l += crate::f32::reduce_lanes(&sums);
+    st.m = m_new;
 }
