@@ -716,16 +716,27 @@ fn has_min_quant(y: &[BlockQ8_0]) -> bool {
         .any(|b| _mm256_movemask_epi8(_mm256_cmpeq_epi8(load_i8x32(&b.qs), min)) != 0)
 }
 
-/// The activation side of Q4_1 x Q8_0 products, prepared once for every row that
-/// meets it: per eight blocks the terms `dy` and `s = sum8·dy` (as
-/// [`dot_q4_1_q8_0`] forms them), and the quants rearranged by block pairs, pair
-/// `p` as `[y_2p[0..16] | y_2p+1[0..16]]` and `[y_2p[16..32] | y_2p+1[16..32]]`
-/// (zeros past the last block), so that one 256-bit load of two blocks' nibbles
-/// meets both blocks' activations in two `maddubs`.
+/// The activation side of Q4_1 x Q8_0 products for eight blocks, prepared once
+/// for every row that meets it: the terms `dy` and `s = sum8·dy` (as
+/// [`dot_q4_1_q8_0`] forms them), and the blocks' quants by halves, `lo` the
+/// eight blocks' first 16 quants and `hi` their last 16, block after block
+/// (zeros past the last block): a pair of blocks' nibbles (one 256-bit load)
+/// meets `lo[p]` and `hi[p]`, four blocks' (one 512-bit load) `lo[2k..2k + 2]`
+/// and `hi[2k..2k + 2]`.
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub(super) struct Q8Acts {
+    pub(super) dy: __m256,
+    pub(super) s: __m256,
+    pub(super) lo: [__m256i; 4],
+    pub(super) hi: [__m256i; 4],
+}
+
+/// Prepares `y` for [`Q4_1Terms`], eight blocks per [`Q8Acts`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn prepare_q8_acts(y: &[BlockQ8_0], terms: &mut [[__m256; 2]], pairs: &mut [[__m256i; 2]]) {
-    for (yc, t) in y.chunks(8).zip(terms.iter_mut()) {
+fn prepare_q8_acts(y: &[BlockQ8_0], out: &mut [Q8Acts]) {
+    for (yc, a) in y.chunks(8).zip(out.iter_mut()) {
         let mut p8 = [_mm256_setzero_si256(); 8];
         for (p, by) in p8.iter_mut().zip(yc) {
             *p = sum_pairs_i16(_mm256_maddubs_epi16(
@@ -733,18 +744,17 @@ fn prepare_q8_acts(y: &[BlockQ8_0], terms: &mut [[__m256; 2]], pairs: &mut [[__m
                 load_i8x32(&by.qs),
             ));
         }
-        let dy = f16_lo(gather_head(yc));
-        *t = [dy, _mm256_mul_ps(_mm256_cvtepi32_ps(hsum_8x8(&p8)), dy)];
-    }
-    for (yp, pair) in y.chunks(2).zip(pairs.iter_mut()) {
-        let a = load_i8x32(&yp[0].qs);
-        let b = yp
-            .get(1)
-            .map_or(_mm256_setzero_si256(), |b| load_i8x32(&b.qs));
-        *pair = [
-            _mm256_permute2x128_si256::<0x20>(a, b),
-            _mm256_permute2x128_si256::<0x31>(a, b),
-        ];
+        a.dy = f16_lo(gather_head(yc));
+        a.s = _mm256_mul_ps(_mm256_cvtepi32_ps(hsum_8x8(&p8)), a.dy);
+        (a.lo, a.hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
+        for (p, yp) in yc.chunks(2).enumerate() {
+            let x = load_i8x32(&yp[0].qs);
+            let z = yp
+                .get(1)
+                .map_or(_mm256_setzero_si256(), |b| load_i8x32(&b.qs));
+            a.lo[p] = _mm256_permute2x128_si256::<0x20>(x, z);
+            a.hi[p] = _mm256_permute2x128_si256::<0x31>(x, z);
+        }
     }
 }
 
@@ -752,7 +762,7 @@ fn prepare_q8_acts(y: &[BlockQ8_0], terms: &mut [[__m256; 2]], pairs: &mut [[__m
 /// high nibbles of each block pair as bytes (one 256-bit load per pair), and the
 /// blocks' `d` and `m`.
 #[derive(Clone, Copy)]
-struct Q4_1Chunk {
+pub(super) struct Q4_1Chunk {
     nibbles: [[__m256i; 2]; 4],
     d: __m256,
     m: __m256,
@@ -760,7 +770,7 @@ struct Q4_1Chunk {
 
 /// Rows of Q4_1 blocks as the Q8-activation kernels read them: the GGUF blocks
 /// or the packed [`crate::act16::F2Matrix`] layout, with the same values.
-trait Q4_1Source: Copy {
+pub(super) trait Q4_1Source: Copy {
     /// Rows held.
     fn n_rows(&self) -> usize;
     /// Blocks `8c..8c + len` of row `r`, unpacked.
@@ -852,21 +862,58 @@ fn split_nibbles(q: __m256i) -> [__m256i; 2] {
     ]
 }
 
-/// The float terms `(dx·dy)·sumi + m·s` of the `2·n_pairs` (at most eight)
-/// blocks of `x`, as [`dot_q4_1_q8_0`] forms them, against activations prepared
-/// by [`prepare_q8_acts`] (`t` = that chunk's `[dy, s]`, `yp` its pairs). Each
-/// pair's nibbles meet the pair's two activation vectors in two `maddubs` (never
-/// saturating: |pair| <= 2·15·128, and the two add up within i16), widened to i32
-/// in two halves of four lanes, one half per block; three horizontal adds and a
-/// permutation put the eight block sums in block order.
+/// How a tier forms the float terms `(dx·dy)·sumi + m·s` of up to eight blocks
+/// of one Q4_1 row (from a source `S`) against activations prepared by
+/// [`prepare_q8_acts`], as [`dot_q4_1_q8_0`] forms them (each block's integer
+/// sum exact): [`gemq_q4_1_with`] runs any tier's with the same loops.
+pub(super) trait Q4_1Terms<S> {
+    /// Blocks `8c..8c + len` of one row, unpacked once for every token.
+    type Chunk: Copy;
+    /// Row `r`'s blocks `8c..8c + len` of `w`.
+    ///
+    /// # Safety
+    /// The CPU has the tier's features.
+    unsafe fn unpack(w: &S, r: usize, c: usize, len: usize) -> Self::Chunk;
+    /// The chunk's `len` terms, against the token's activations `y` (lanes past
+    /// `len` unspecified).
+    ///
+    /// # Safety
+    /// As [`Self::unpack`].
+    unsafe fn terms(x: &Self::Chunk, len: usize, y: &Q8Acts) -> __m256;
+}
+
+/// The AVX2 terms, from either source: each pair of blocks' nibbles meets the
+/// pair's two activation vectors in two `maddubs` (never saturating: |pair| <=
+/// 2·15·128, and the two add up within i16), widened to i32 in two halves of
+/// four lanes, one half per block; three horizontal adds and a permutation put
+/// the eight block sums in block order.
+struct Avx2Terms;
+
+impl<S: Q4_1Source> Q4_1Terms<S> for Avx2Terms {
+    type Chunk = Q4_1Chunk;
+
+    #[inline(always)]
+    unsafe fn unpack(w: &S, r: usize, c: usize, len: usize) -> Q4_1Chunk {
+        // SAFETY: the caller guarantees the AVX2 tier's features.
+        unsafe { w.chunk(r, c, len) }
+    }
+
+    #[inline(always)]
+    unsafe fn terms(x: &Q4_1Chunk, len: usize, y: &Q8Acts) -> __m256 {
+        // SAFETY: as above.
+        unsafe { q4_1_pair_terms(x, len.div_ceil(2), y) }
+    }
+}
+
+/// [`Avx2Terms::terms`]: the `2·n_pairs` (at most eight) blocks of `x`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q4_1_pair_terms(x: &Q4_1Chunk, n_pairs: usize, yp: &[[__m256i; 2]], t: [__m256; 2]) -> __m256 {
+fn q4_1_pair_terms(x: &Q4_1Chunk, n_pairs: usize, y: &Q8Acts) -> __m256 {
     let mut v = [_mm256_setzero_si256(); 4];
-    for ((v, n), yp) in v.iter_mut().zip(&x.nibbles).zip(yp).take(n_pairs) {
+    for (p, (v, n)) in v.iter_mut().zip(&x.nibbles).enumerate().take(n_pairs) {
         let sum16 = _mm256_add_epi16(
-            _mm256_maddubs_epi16(n[0], yp[0]),
-            _mm256_maddubs_epi16(n[1], yp[1]),
+            _mm256_maddubs_epi16(n[0], y.lo[p]),
+            _mm256_maddubs_epi16(n[1], y.hi[p]),
         );
         *v = sum_pairs_i16(sum16);
     }
@@ -876,105 +923,132 @@ fn q4_1_pair_terms(x: &Q4_1Chunk, n_pairs: usize, yp: &[[__m256i; 2]], t: [__m25
         h,
         _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
     ));
-    let [dy, s] = t;
+    q4_1_terms(x.d, x.m, sumi, y)
+}
+
+/// `(dx·dy)·sumi + m·s` for eight blocks, as [`dot_q4_1_q8_0`] forms them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q4_1_terms(d: __m256, m: __m256, sumi: __m256, y: &Q8Acts) -> __m256 {
     _mm256_add_ps(
-        _mm256_mul_ps(_mm256_mul_ps(x.d, dy), sumi),
-        _mm256_mul_ps(x.m, s),
+        _mm256_mul_ps(_mm256_mul_ps(d, y.dy), sumi),
+        _mm256_mul_ps(m, y.s),
     )
 }
 
-/// Per-thread scratch of [`gemq_q4_1`]: every token's prepared activations and
-/// running sums.
+/// Per-thread scratch of [`gemq_q4_1_with`]: every token's prepared activations
+/// and running sums.
 #[derive(Default)]
-struct GemqScratch {
-    terms: Vec<[__m256; 2]>,
-    pairs: Vec<[__m256i; 2]>,
+pub(super) struct GemqScratch {
+    acts: Vec<Q8Acts>,
     sums: Vec<__m128>,
 }
 
 thread_local! {
-    static GEMQ_SCRATCH: std::cell::RefCell<GemqScratch> =
+    pub(super) static GEMQ_SCRATCH: std::cell::RefCell<GemqScratch> =
         std::cell::RefCell::new(GemqScratch::default());
+}
+
+/// [`gemq_q4_1_with`] on this tier.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn gemq_q4_1<S: Q4_1Source>(w: S, nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
+    // SAFETY: AVX2, FMA and F16C are enabled here (and in the closure, which
+    // inherits them); the callers checked the shapes.
+    GEMQ_SCRATCH.with_borrow_mut(|sc| unsafe { gemq_q4_1_with::<S, Avx2Terms>(w, nb, y, out, sc) })
 }
 
 /// [`crate::q8_matvec::gemm_q4_1_q8_0_ref`] (and with one token
 /// [`crate::q8_matvec::matvec_q4_1_q8_0_ref`]): the rows of `w` (`nb` blocks each)
 /// against every token of `y`, each value with the arithmetic of
 /// [`dot_q4_1_q8_0`] (exact integer block sums, float terms eight blocks wide,
-/// the serial sum in block order). Every token's activations are prepared once
-/// ([`prepare_q8_acts`]); then, four rows and eight blocks at a time, the rows'
-/// nibbles and scales are unpacked once and met by every token, each token's four
-/// serial sums carried in the lanes of one register (a last group of fewer rows
-/// adds zeros in the missing lanes). One token (decode) prefetches the rows two
-/// groups ahead.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn gemq_q4_1<S: Q4_1Source>(w: S, nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
+/// the serial sum in block order), the terms formed by the tier's `K`. Every
+/// token's activations are prepared once ([`prepare_q8_acts`]); then, four rows
+/// and eight blocks at a time, the rows' chunks are unpacked once and met by
+/// every token, each token's four serial sums carried in the lanes of one
+/// register (a last group of fewer rows adds zeros in the missing lanes). One
+/// token (decode) prefetches the rows two groups ahead. Inlined into each
+/// tier's entry, whose target features it then runs with (so it calls the
+/// tier's functions directly, never from a closure, which would not inherit
+/// them).
+///
+/// # Safety
+/// The CPU has the features of `K`'s tier (which include AVX2, FMA and F16C);
+/// `w` holds rows of `nb > 0` blocks and `y` whole tokens of `nb` blocks, and
+/// `out` one value per (token, row).
+#[inline(always)]
+pub(super) unsafe fn gemq_q4_1_with<S: Q4_1Source, K: Q4_1Terms<S>>(
+    w: S,
+    nb: usize,
+    y: &[BlockQ8_0],
+    out: &mut [f32],
+    sc: &mut GemqScratch,
+) {
     let (n_tok, n_rows) = (y.len() / nb, w.n_rows());
     if n_rows == 0 || n_tok == 0 {
         return;
     }
-    let (n_chunks, n_pairs) = (nb.div_ceil(8), nb.div_ceil(2));
-    GEMQ_SCRATCH.with_borrow_mut(|sc| {
-        sc.terms.resize(n_tok * n_chunks, [_mm256_setzero_ps(); 2]);
-        sc.pairs
-            .resize(n_tok * n_pairs, [_mm256_setzero_si256(); 2]);
-        sc.sums.resize(n_tok, _mm_setzero_ps());
-        for ((yt, terms), pairs) in y
-            .chunks_exact(nb)
-            .zip(sc.terms.chunks_exact_mut(n_chunks))
-            .zip(sc.pairs.chunks_exact_mut(n_pairs))
-        {
-            prepare_q8_acts(yt, terms, pairs);
-        }
-        for r0 in (0..n_rows).step_by(4) {
-            let valid = (n_rows - r0).min(4);
-            let ahead = Prefetch::new(w.rows_bytes(r0, valid), 2, n_chunks);
-            sc.sums[..n_tok].fill(_mm_setzero_ps());
-            for c in 0..n_chunks {
-                if n_tok == 1 {
-                    ahead.step(c);
+    let n_chunks = nb.div_ceil(8);
+    // SAFETY: the caller guarantees the features of `K`'s tier, which include
+    // the AVX2 tier's that the callees need (here and in every block below).
+    let (zero_acts, zero4, zero8) = unsafe {
+        let acts = Q8Acts {
+            dy: _mm256_setzero_ps(),
+            s: _mm256_setzero_ps(),
+            lo: [_mm256_setzero_si256(); 4],
+            hi: [_mm256_setzero_si256(); 4],
+        };
+        (acts, _mm_setzero_ps(), _mm256_setzero_ps())
+    };
+    sc.acts.resize(n_tok * n_chunks, zero_acts);
+    sc.sums.resize(n_tok, zero4);
+    for (yt, acts) in y.chunks_exact(nb).zip(sc.acts.chunks_exact_mut(n_chunks)) {
+        // SAFETY: as above.
+        unsafe { prepare_q8_acts(yt, acts) };
+    }
+    for r0 in (0..n_rows).step_by(4) {
+        let valid = (n_rows - r0).min(4);
+        let ahead = Prefetch::new(w.rows_bytes(r0, valid), 2, n_chunks);
+        sc.sums[..n_tok].fill(zero4);
+        for c in 0..n_chunks {
+            let len = (nb - 8 * c).min(8);
+            let mut terms = [zero8; 4];
+            if n_tok == 1 {
+                // SAFETY: as above.
+                unsafe { ahead.step(c) };
+                // Each row's chunk is unpacked and met at once (keeping four
+                // unpacked chunks alive would spill them).
+                for (r, t) in terms.iter_mut().enumerate().take(valid) {
+                    // SAFETY: as above.
+                    *t = unsafe { K::terms(&K::unpack(&w, r0 + r, c, len), len, &sc.acts[c]) };
                 }
-                let len = (nb - 8 * c).min(8);
-                let n_p = len.div_ceil(2);
-                let mut terms = [_mm256_setzero_ps(); 4];
-                if n_tok == 1 {
-                    // Each row's chunk is unpacked and met at once (keeping four
-                    // unpacked chunks alive would spill them).
-                    let (yp, tc) = (&sc.pairs[4 * c..n_pairs], sc.terms[c]);
-                    for (r, t) in terms.iter_mut().enumerate().take(valid) {
-                        // SAFETY: AVX2, FMA and F16C are enabled here.
-                        let x = unsafe { w.chunk(r0 + r, c, len) };
-                        *t = q4_1_pair_terms(&x, n_p, yp, tc);
-                    }
-                    sc.sums[0] = add_in_order_x4(sc.sums[0], &terms, len);
-                    continue;
-                }
-                let none = Q4_1Chunk {
-                    nibbles: [[_mm256_setzero_si256(); 2]; 4],
-                    d: _mm256_setzero_ps(),
-                    m: _mm256_setzero_ps(),
-                };
-                let mut x = [none; 4];
-                for (r, x) in x.iter_mut().enumerate().take(valid) {
-                    // SAFETY: AVX2, FMA and F16C are enabled here.
-                    *x = unsafe { w.chunk(r0 + r, c, len) };
-                }
-                for (t, sumf) in sc.sums[..n_tok].iter_mut().enumerate() {
-                    let yp = &sc.pairs[t * n_pairs + 4 * c..(t + 1) * n_pairs];
-                    let tc = sc.terms[t * n_chunks + c];
-                    for (t, x) in terms.iter_mut().zip(&x).take(valid) {
-                        *t = q4_1_pair_terms(x, n_p, yp, tc);
-                    }
-                    *sumf = add_in_order_x4(*sumf, &terms, len);
-                }
+                // SAFETY: as above.
+                sc.sums[0] = unsafe { add_in_order_x4(sc.sums[0], &terms, len) };
+                continue;
             }
-            for (t, sumf) in sc.sums[..n_tok].iter().enumerate() {
-                let mut lanes = [0.0f32; 4];
-                store_f32x4(&mut lanes, *sumf);
-                out[t * n_rows + r0..t * n_rows + r0 + valid].copy_from_slice(&lanes[..valid]);
+            let mut x = [None; 4];
+            for (r, x) in x.iter_mut().enumerate().take(valid) {
+                // SAFETY: as above.
+                *x = Some(unsafe { K::unpack(&w, r0 + r, c, len) });
+            }
+            for (t, sumf) in sc.sums[..n_tok].iter_mut().enumerate() {
+                let acts = &sc.acts[t * n_chunks + c];
+                for (t, x) in terms.iter_mut().zip(&x) {
+                    if let Some(x) = x {
+                        // SAFETY: as above.
+                        *t = unsafe { K::terms(x, len, acts) };
+                    }
+                }
+                // SAFETY: as above.
+                *sumf = unsafe { add_in_order_x4(*sumf, &terms, len) };
             }
         }
-    });
+        for (t, sumf) in sc.sums[..n_tok].iter().enumerate() {
+            let mut lanes = [0.0f32; 4];
+            // SAFETY: as above.
+            unsafe { store_f32x4(&mut lanes, *sumf) };
+            out[t * n_rows + r0..t * n_rows + r0 + valid].copy_from_slice(&lanes[..valid]);
+        }
+    }
 }
 
 /// [`crate::q8_matvec::matvec_q8_0_q8_0_ref`] for rows of `nb` blocks, four rows

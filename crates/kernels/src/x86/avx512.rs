@@ -20,6 +20,7 @@ use super::avx2;
 
 mod act16;
 mod attn;
+mod q8;
 
 /// The AVX-512 tier.
 pub(super) static KERNELS: Kernels = Kernels {
@@ -37,7 +38,7 @@ pub(super) static KERNELS: Kernels = Kernels {
     matvec_q4_1_q8_0: avx2::matvec_q4_1_q8_0,
     matvec_q8_0_q8_0: avx2::matvec_q8_0_q8_0,
     gemm_q4_1_q8_0: avx2::gemm_q4_1_q8_0,
-    gemm_q4_1_q8_0_f2: avx2::gemm_q4_1_q8_0_f2,
+    gemm_q4_1_q8_0_f2: q8::gemm_q4_1_q8_0_f2,
     gemm_tile: avx2::gemm_tile,
     exp_inplace: attn::exp_inplace,
     attn_group_f32: attn::attn_group_checked::<f32>,
