@@ -249,30 +249,9 @@ pub(super) fn gemm_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
     if !k.is_multiple_of(8) {
         return crate::fast::gemm_tile_ref(w, x, k, out);
     }
-    macro_rules! dispatch {
-        ($(($r:literal, $t:literal)),*) => {
-            match (rows, toks) {
-                // SAFETY: see above; `check_tile` and the `k % 8` test establish
-                // the shapes `tile` requires.
-                $(($r, $t) => unsafe { tile::<$r, $t>(w, x, k, out) },)*
-                _ => unreachable!("check_tile bounds the tile"),
-            }
-        };
-    }
-    dispatch!(
-        (1, 1),
-        (1, 2),
-        (1, 3),
-        (2, 1),
-        (2, 2),
-        (2, 3),
-        (3, 1),
-        (3, 2),
-        (3, 3),
-        (4, 1),
-        (4, 2),
-        (4, 3)
-    );
+    // SAFETY: see above; `check_tile` and the `k % 8` test establish the
+    // shapes `tile` requires.
+    unsafe { super::dispatch_tile!(tile, rows, toks, (w, x, k, out)) }
 }
 
 pub(super) fn exp_inplace(x: &mut [f32]) {

@@ -20,6 +20,7 @@ use super::avx2;
 
 mod act16;
 mod attn;
+mod fast;
 mod q8;
 
 /// The AVX-512 tier.
@@ -39,11 +40,11 @@ pub(super) static KERNELS: Kernels = Kernels {
     matvec_q8_0_q8_0: avx2::matvec_q8_0_q8_0,
     gemm_q4_1_q8_0: avx2::gemm_q4_1_q8_0,
     gemm_q4_1_q8_0_f2: q8::gemm_q4_1_q8_0_f2,
-    gemm_tile: avx2::gemm_tile,
+    gemm_tile: fast::gemm_tile,
     exp_inplace: attn::exp_inplace,
     attn_group_f32: attn::attn_group_checked::<f32>,
     attn_group_f16: attn::attn_group_checked::<u16>,
-    widen_f16: avx2::widen_f16,
+    widen_f16: fast::widen_f16,
     quantize_act16: act16::quantize_act16,
     gemm_q4_1_act16: act16::gemm_act16::<BlockQ4_1>,
     gemm_q8_0_act16: act16::gemm_act16::<BlockQ8_0>,

@@ -7,6 +7,24 @@
 
 use crate::Kernels;
 
+/// Calls `$tile::<R, T>$args` for the `R x T` of a register tile of
+/// [`crate::fast::gemm_tile_ref`] (`$rows x $toks`, bounded by
+/// `crate::fast::check_tile`): each tier's tiles are monomorphized per shape.
+macro_rules! dispatch_tile {
+    ($tile:ident, $rows:expr, $toks:expr, $args:tt) => {
+        $crate::x86::dispatch_tile!(@shapes $tile, $rows, $toks, $args,
+            (1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3),
+            (3, 1), (3, 2), (3, 3), (4, 1), (4, 2), (4, 3))
+    };
+    (@shapes $tile:ident, $rows:expr, $toks:expr, $args:tt, $(($r:literal, $t:literal)),*) => {
+        match ($rows, $toks) {
+            $(($r, $t) => $tile::<$r, $t> $args,)*
+            _ => unreachable!("check_tile bounds the tile"),
+        }
+    };
+}
+pub(crate) use dispatch_tile;
+
 mod avx2;
 mod avx512;
 
