@@ -26,8 +26,9 @@
 //! A block holding an infinity or NaN gets `s = NaN`, so the result is NaN as it
 //! would be in f32; its quants are unspecified. The batched product applies the
 //! same order to every (row, token) pair, so a batch gives bit for bit what the
-//! tokens one at a time give. The AVX2 versions (`x86/avx2.rs`) are tested equal
-//! to these references bit for bit (`tier_parity.rs`).
+//! tokens one at a time give. The AVX2 and AVX-512 versions (`x86/avx2.rs`,
+//! `x86/avx512/act16.rs`) are tested equal to these references bit for bit
+//! (`tier_parity.rs`).
 
 use crate::f16::fp16_to_fp32;
 use crate::f32::reduce_lanes;

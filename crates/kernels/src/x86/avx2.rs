@@ -58,8 +58,8 @@ pub(super) static KERNELS: Kernels = Kernels {
     gemm_q4_1_q8_0_f2,
     gemm_tile,
     exp_inplace,
-    attn_group_f32: attn_group_checked::<f32>,
-    attn_group_f16: attn_group_checked::<u16>,
+    attn_group_f32: attn_group::<f32, Avx2Attn>,
+    attn_group_f16: attn_group::<u16, Avx2Attn>,
     widen_f16,
     quantize_act16,
     gemm_q4_1_act16: gemm_act16::<BlockQ4_1>,
@@ -259,8 +259,39 @@ pub(super) fn exp_inplace(x: &mut [f32]) {
     unsafe { exp_slice(x) }
 }
 
+/// A tier's grouped attention step for one chunk of at most `MAX_QUERIES`
+/// queries of a KV head's group, which share every K and V load: the chunk's
+/// scores, each query's softmax step, then the V rows accumulated into the
+/// chunk's outputs ([`attn_group`] walks a group's chunks).
+pub(super) trait AttnChunk<T> {
+    /// Queries per chunk.
+    const MAX_QUERIES: usize;
+    /// [`crate::attn::attn_group_ref`] for the `st.len()` (at most
+    /// `MAX_QUERIES`) queries `q` over `n` rows of `hd` elements (`n_hd`),
+    /// with outputs `acc` and score slots `s`.
+    ///
+    /// # Safety
+    /// `hd % 8 == 0`, `hd > 0`, `n > 0`, `k.len() == v.len() == n·hd`,
+    /// `q.len() == acc.len() == st.len()·hd`, `s.len() == st.len()·n`, and the
+    /// CPU has the tier's features.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn chunk<const STREAM: bool>(
+        q: &[f32],
+        k: &[T],
+        v: &[T],
+        n_hd: (usize, usize),
+        scale: f32,
+        st: &mut [Running],
+        acc: &mut [f32],
+        s: &mut [f32],
+    );
+}
+
+/// [`crate::attn::attn_group_ref`] by the tier of `K`: the table entry of the
+/// AVX2 and AVX-512 tiers (head sizes that are not a multiple of 8 go to the
+/// reference). The group is taken in chunks of `K::MAX_QUERIES` queries.
 #[allow(clippy::too_many_arguments)]
-fn attn_group_checked<T: KvLanes>(
+pub(super) fn attn_group<T: crate::attn::KvElem, K: AttnChunk<T>>(
     q: &[f32],
     k: &[T],
     v: &[T],
@@ -274,14 +305,22 @@ fn attn_group_checked<T: KvLanes>(
     if !hd.is_multiple_of(8) {
         return crate::attn::attn_group_ref(q, k, v, scale, st, acc, scores, stream);
     }
-    // SAFETY: see above; `check_group` and the `hd % 8` test establish the shapes
-    // `attn_group` requires.
-    unsafe {
-        if stream {
-            attn_group::<T, true>(q, k, v, n, hd, scale, st, acc, scores)
-        } else {
-            attn_group::<T, false>(q, k, v, n, hd, scale, st, acc, scores)
+    let mut g0 = 0;
+    while g0 < st.len() {
+        let g1 = (g0 + K::MAX_QUERIES).min(st.len());
+        let (q, st) = (&q[g0 * hd..g1 * hd], &mut st[g0..g1]);
+        let (acc, s) = (&mut acc[g0 * hd..g1 * hd], &mut scores[g0 * n..g1 * n]);
+        // SAFETY: `K`'s table is handed out only after detecting its tier's
+        // features; `check_group` and the `hd % 8` test establish the shapes,
+        // restricted to the chunk's queries.
+        unsafe {
+            if stream {
+                K::chunk::<true>(q, k, v, (n, hd), scale, st, acc, s)
+            } else {
+                K::chunk::<false>(q, k, v, (n, hd), scale, st, acc, s)
+            }
         }
+        g0 = g1;
     }
 }
 
@@ -1737,34 +1776,36 @@ unsafe fn tile<const R: usize, const T: usize>(w: &[f32], x: &[f32], k: usize, o
 
 // ---- attention ------------------------------------------------------------------
 
-/// [`crate::attn::exp_ref`] on 8 lanes: the same operations lane by lane.
+/// [`crate::attn::exp_ref`] on 8 lanes: [`exp_lanes`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn exp8(x: __m256) -> __m256 {
-    let max = _mm256_set1_ps(EXP_MAX);
-    // `if x > MAX { MAX } else { x }` (a NaN stays).
-    let x = _mm256_blendv_ps(x, max, _mm256_cmp_ps::<_CMP_GT_OQ>(x, max));
-    let small = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_MIN));
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        x,
-        _mm256_set1_ps(EXP_LOG2E),
-    ));
-    let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_HI), x);
-    let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_LO), r);
-    let mut p = _mm256_set1_ps(EXP_P[0]);
-    for &c in &EXP_P[1..] {
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    // SAFETY: AVX2 and FMA are enabled here.
+    unsafe { exp_lanes(x) }
+}
+
+/// [`crate::attn::exp_ref`] on a vector of either tier's width: the same
+/// operations lane by lane.
+///
+/// # Safety
+/// The CPU has the features of `V`'s tier.
+#[inline(always)]
+pub(super) unsafe fn exp_lanes<V: F32Lanes>(x: V) -> V {
+    // SAFETY: the caller guarantees the tier's features (every call below).
+    unsafe {
+        // `if x > MAX { MAX } else { x }` (a NaN stays).
+        let x = x.min_keep_nan(EXP_MAX);
+        let n = V::mul(x, V::splat(EXP_LOG2E)).round_even();
+        let r = V::mul_add(n, V::splat(-EXP_LN2_HI), x);
+        let r = V::mul_add(n, V::splat(-EXP_LN2_LO), r);
+        let mut p = V::splat(EXP_P[0]);
+        for &c in &EXP_P[1..] {
+            p = V::mul_add(p, r, V::splat(c));
+        }
+        let y = V::add(V::mul_add(p, V::mul(r, r), r), V::splat(1.0));
+        // Lanes below MIN (and -inf) get garbage exponents here; they are set to +0.
+        V::mul(y, n.exp2_int()).zero_where_below(x, EXP_MIN)
     }
-    let y = _mm256_add_ps(
-        _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
-        _mm256_set1_ps(1.0),
-    );
-    // Lanes below MIN (and -inf) get garbage exponents here; they are cleared to +0.
-    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-        _mm256_cvtps_epi32(n),
-        _mm256_set1_epi32(127),
-    ));
-    _mm256_andnot_ps(small, _mm256_mul_ps(y, _mm256_castsi256_ps(e)))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -1826,110 +1867,101 @@ fn hsum_8_transposed(a: &[__m256; 8]) -> __m256 {
 
 /// The K/V element types the grouped attention kernel reads, eight at a time as
 /// f32 lanes: f32 rows as they are, f16 rows widened with F16C (exact).
-pub(super) trait KvLanes: crate::attn::KvElem {
-    /// Eight consecutive elements at `p`, as f32.
-    ///
-    /// # Safety
-    /// `p` points at 8 readable elements and the CPU has AVX2 and F16C.
-    unsafe fn load8(p: *const Self) -> __m256;
-}
-
-impl KvLanes for f32 {
+impl KvVector<__m256> for u16 {
     #[inline(always)]
-    unsafe fn load8(p: *const f32) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable f32s and AVX.
-        unsafe { _mm256_loadu_ps(p) }
-    }
-}
-
-impl KvLanes for u16 {
-    #[inline(always)]
-    unsafe fn load8(p: *const u16) -> __m256 {
+    unsafe fn load_lanes(p: *const u16) -> __m256 {
         // SAFETY: the caller guarantees 8 readable u16s (16 bytes) and F16C.
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
     }
 }
 
-/// [`crate::attn::attn_group_ref`]: the `st.len()` queries of one KV head's group
-/// over `n` rows of `hd` elements, in chunks of up to three queries that share
-/// every K and V load (and, for f16 rows, every widening): scores of three
-/// queries over three positions at once (nine accumulators), then each query's
-/// softmax step, then V rows accumulated into three queries' outputs at once.
+/// The AVX2 tier's chunks of [`attn_group`]: up to three queries, scores of
+/// three queries over three positions at once (nine accumulators), then each
+/// query's softmax step, then V rows accumulated into three queries' outputs
+/// at once; every K and V load (and, for f16 rows, every widening) shared.
+pub(super) struct Avx2Attn;
+
+impl<T: KvVector<__m256>> AttnChunk<T> for Avx2Attn {
+    const MAX_QUERIES: usize = 3;
+
+    #[inline(always)]
+    unsafe fn chunk<const STREAM: bool>(
+        q: &[f32],
+        k: &[T],
+        v: &[T],
+        nh: (usize, usize),
+        scale: f32,
+        st: &mut [Running],
+        acc: &mut [f32],
+        s: &mut [f32],
+    ) {
+        // SAFETY: the caller's guarantees, as `attn_chunk` requires.
+        unsafe { attn_chunk::<T, STREAM>(q, k, v, nh, scale, st, acc, s) }
+    }
+}
+
+/// [`Avx2Attn`]'s chunk.
 ///
 /// # Safety
-/// `hd % 8 == 0`, `hd > 0`, `n > 0`, `k.len() == v.len() == n·hd`,
-/// `q.len() == acc.len() == st.len()·hd`, `scores.len() >= st.len()·n`, and the
-/// CPU has AVX2, FMA and F16C.
+/// As [`AttnChunk::chunk`], with AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn attn_group<T: KvLanes, const STREAM: bool>(
+unsafe fn attn_chunk<T: KvVector<__m256>, const STREAM: bool>(
     q: &[f32],
     k: &[T],
     v: &[T],
-    n: usize,
-    hd: usize,
+    (n, hd): (usize, usize),
     scale: f32,
     st: &mut [Running],
     acc: &mut [f32],
-    scores: &mut [f32],
+    s: &mut [f32],
 ) {
+    let gn = st.len();
     debug_assert!(
         hd.is_multiple_of(8)
+            && (1..=3).contains(&gn)
             && k.len() == n * hd
             && v.len() == n * hd
-            && q.len() == st.len() * hd
+            && q.len() == gn * hd
             && acc.len() == q.len()
-            && scores.len() >= st.len() * n
+            && s.len() == gn * n
     );
-    let mut g0 = 0;
-    while g0 < st.len() {
-        let gn = (st.len() - g0).min(3);
-        let qs = &q[g0 * hd..(g0 + gn) * hd];
-        let s = &mut scores[g0 * n..(g0 + gn) * n];
-        // SAFETY: (all three calls) the chunk's shapes are those of the whole
-        // group restricted to `gn` queries, as each callee requires.
-        unsafe {
+    // SAFETY: (all three calls) the shapes the callee requires.
+    unsafe {
+        match gn {
+            3 => group_scores::<T, 3, 3, STREAM>(q, k, n, hd, scale, s),
+            2 => group_scores::<T, 2, 4, STREAM>(q, k, n, hd, scale, s),
+            _ => group_scores::<T, 1, 8, STREAM>(q, k, n, hd, scale, s),
+        }
+    }
+    for ((w, run), a) in s.chunks_exact_mut(n).zip(st).zip(acc.chunks_exact_mut(hd)) {
+        softmax_step(w, run, a);
+    }
+    let vp = v.as_ptr();
+    let mut d0 = 0;
+    // SAFETY: (each call) d0 + 8R <= hd, `vp` points at n·hd readable
+    // elements, `s` holds gn·n weights and `acc` gn·hd values.
+    unsafe {
+        while d0 + 32 <= hd {
             match gn {
-                3 => group_scores::<T, 3, 3, STREAM>(qs, k, n, hd, scale, s),
-                2 => group_scores::<T, 2, 4, STREAM>(qs, k, n, hd, scale, s),
-                _ => group_scores::<T, 1, 8, STREAM>(qs, k, n, hd, scale, s),
-            }
-        }
-        let accs = &mut acc[g0 * hd..(g0 + gn) * hd];
-        for ((w, run), a) in s
-            .chunks_exact_mut(n)
-            .zip(&mut st[g0..g0 + gn])
-            .zip(accs.chunks_exact_mut(hd))
-        {
-            softmax_step(w, run, a);
-        }
-        let vp = v.as_ptr();
-        let mut d0 = 0;
-        // SAFETY: (each call) d0 + 8R <= hd, `vp` points at n·hd readable
-        // elements, `s` holds gn·n weights and `accs` gn·hd values.
-        unsafe {
-            while d0 + 32 <= hd {
-                match gn {
-                    // Three queries' 4-vector strips would need all 16 registers.
-                    3 => {
-                        accumulate_v::<T, 3, 2, STREAM>(s, n, vp, hd, d0, accs);
-                        accumulate_v::<T, 3, 2, STREAM>(s, n, vp, hd, d0 + 16, accs);
-                    }
-                    2 => accumulate_v::<T, 2, 4, STREAM>(s, n, vp, hd, d0, accs),
-                    _ => accumulate_v::<T, 1, 4, STREAM>(s, n, vp, hd, d0, accs),
+                // Three queries' 4-vector strips would need all 16 registers.
+                3 => {
+                    accumulate_v::<T, __m256, 3, 2, STREAM>(s, n, vp, hd, d0, acc);
+                    accumulate_v::<T, __m256, 3, 2, STREAM>(s, n, vp, hd, d0 + 16, acc);
                 }
-                d0 += 32;
+                2 => accumulate_v::<T, __m256, 2, 4, STREAM>(s, n, vp, hd, d0, acc),
+                _ => accumulate_v::<T, __m256, 1, 4, STREAM>(s, n, vp, hd, d0, acc),
             }
-            while d0 < hd {
-                match gn {
-                    3 => accumulate_v::<T, 3, 1, STREAM>(s, n, vp, hd, d0, accs),
-                    2 => accumulate_v::<T, 2, 1, STREAM>(s, n, vp, hd, d0, accs),
-                    _ => accumulate_v::<T, 1, 1, STREAM>(s, n, vp, hd, d0, accs),
-                }
-                d0 += 8;
-            }
+            d0 += 32;
         }
-        g0 += gn;
+        while d0 < hd {
+            match gn {
+                3 => accumulate_v::<T, __m256, 3, 1, STREAM>(s, n, vp, hd, d0, acc),
+                2 => accumulate_v::<T, __m256, 2, 1, STREAM>(s, n, vp, hd, d0, acc),
+                _ => accumulate_v::<T, __m256, 1, 1, STREAM>(s, n, vp, hd, d0, acc),
+            }
+            d0 += 8;
+        }
     }
 }
 
@@ -1943,7 +1975,7 @@ unsafe fn attn_group<T: KvLanes, const STREAM: bool>(
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)] // g and j index two arrays at once
-unsafe fn group_scores<T: KvLanes, const G: usize, const P: usize, const STREAM: bool>(
+unsafe fn group_scores<T: KvVector<__m256>, const G: usize, const P: usize, const STREAM: bool>(
     q: &[f32],
     k: &[T],
     n: usize,
@@ -1965,7 +1997,7 @@ unsafe fn group_scores<T: KvLanes, const G: usize, const P: usize, const STREAM:
                 std::array::from_fn(|g| unsafe { _mm256_loadu_ps(qp.add(g * hd + c)) });
             for j in 0..P {
                 // SAFETY: p + j < n and c + 8 <= hd: inside `k` (n·hd elements).
-                let kv = unsafe { T::load8(kp.add((p + j) * hd + c)) };
+                let kv = unsafe { T::load_lanes(kp.add((p + j) * hd + c)) };
                 for g in 0..G {
                     a[g][j] = _mm256_fmadd_ps(qv[g], kv, a[g][j]);
                 }
@@ -1982,7 +2014,7 @@ unsafe fn group_scores<T: KvLanes, const G: usize, const P: usize, const STREAM:
         let mut a = [_mm256_setzero_ps(); G];
         for c in (0..hd).step_by(8) {
             // SAFETY: as above, for one position.
-            let kv = unsafe { T::load8(kp.add(p * hd + c)) };
+            let kv = unsafe { T::load_lanes(kp.add(p * hd + c)) };
             for (g, a) in a.iter_mut().enumerate() {
                 // SAFETY: as above.
                 let qv = unsafe { _mm256_loadu_ps(qp.add(g * hd + c)) };
@@ -2092,17 +2124,144 @@ fn softmax_step(s: &mut [f32], st: &mut Running, acc: &mut [f32]) {
     st.m = m_new;
 }
 
+/// f32 vectors of one tier's width, for the attention code whose only
+/// difference between the tiers is that width: 8 lanes (AVX2) or 16 (AVX-512).
+/// Every method is inlined into its tier's kernels, which run with the
+/// features the intrinsics need.
+pub(super) trait F32Lanes: Copy {
+    /// Lanes per vector.
+    const LANES: usize;
+    /// # Safety
+    /// `p` points at `LANES` readable f32s; the CPU has the tier's features.
+    unsafe fn load(p: *const f32) -> Self;
+    /// # Safety
+    /// `p` points at `LANES` writable f32s; the CPU has the tier's features.
+    unsafe fn store(self, p: *mut f32);
+    /// # Safety
+    /// The CPU has the tier's features.
+    unsafe fn splat(x: f32) -> Self;
+    /// `a·b + c`, one rounding.
+    ///
+    /// # Safety
+    /// The CPU has the tier's features.
+    unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self;
+    /// `a·b`. # Safety: as [`Self::splat`].
+    unsafe fn mul(a: Self, b: Self) -> Self;
+    /// `a + b`. # Safety: as [`Self::splat`].
+    unsafe fn add(a: Self, b: Self) -> Self;
+    /// `if x > max { max } else { x }` per lane (a NaN stays).
+    /// # Safety: as [`Self::splat`].
+    unsafe fn min_keep_nan(self, max: f32) -> Self;
+    /// Rounded to an integer, ties to even. # Safety: as [`Self::splat`].
+    unsafe fn round_even(self) -> Self;
+    /// `2^n` for integral lanes `n` in `-126..=127`, from the exponent bits.
+    /// # Safety: as [`Self::splat`].
+    unsafe fn exp2_int(self) -> Self;
+    /// `+0` in the lanes where `x < min`, `self` elsewhere.
+    /// # Safety: as [`Self::splat`].
+    unsafe fn zero_where_below(self, x: Self, min: f32) -> Self;
+}
+
+impl F32Lanes for __m256 {
+    const LANES: usize = 8;
+
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: the caller's guarantees.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        // SAFETY: the caller's guarantees.
+        unsafe { _mm256_storeu_ps(p, self) }
+    }
+
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        // SAFETY: the caller guarantees AVX.
+        unsafe { _mm256_set1_ps(x) }
+    }
+
+    #[inline(always)]
+    unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self {
+        // SAFETY: the caller guarantees FMA.
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+
+    #[inline(always)]
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        // SAFETY: the caller guarantees AVX.
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+
+    #[inline(always)]
+    unsafe fn add(a: Self, b: Self) -> Self {
+        // SAFETY: the caller guarantees AVX.
+        unsafe { _mm256_add_ps(a, b) }
+    }
+
+    #[inline(always)]
+    unsafe fn min_keep_nan(self, max: f32) -> Self {
+        // SAFETY: the caller guarantees AVX.
+        unsafe {
+            let max = _mm256_set1_ps(max);
+            _mm256_blendv_ps(self, max, _mm256_cmp_ps::<_CMP_GT_OQ>(self, max))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn round_even(self) -> Self {
+        // SAFETY: the caller guarantees AVX.
+        unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self) }
+    }
+
+    #[inline(always)]
+    unsafe fn exp2_int(self) -> Self {
+        // SAFETY: the caller guarantees AVX2.
+        unsafe {
+            let e = _mm256_add_epi32(_mm256_cvtps_epi32(self), _mm256_set1_epi32(127));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn zero_where_below(self, x: Self, min: f32) -> Self {
+        // SAFETY: the caller guarantees AVX.
+        unsafe { _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(min)), self) }
+    }
+}
+
+/// K/V elements read as vectors `V` of f32 (f16 widened exactly).
+pub(super) trait KvVector<V>: crate::attn::KvElem {
+    /// `V::LANES` consecutive elements at `p`, as f32.
+    ///
+    /// # Safety
+    /// `p` points at that many readable elements; the CPU has the tier's
+    /// features.
+    unsafe fn load_lanes(p: *const Self) -> V;
+}
+
+impl KvVector<__m256> for f32 {
+    #[inline(always)]
+    unsafe fn load_lanes(p: *const f32) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable f32s and AVX.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
 /// `acc_g[d] = fma(w_g[p], v[p·hd + d], acc_g[d])` for the `G` queries (weights
-/// `w[g·n..]`, outputs `acc[g·hd..]`), `d` in `d0..d0 + 8R`, `p` in order: each V
-/// vector is loaded (and widened) once for the `G` queries.
+/// `w[g·n..]`, outputs `acc[g·hd..]`), `d` in `d0..d0 + R·V::LANES`, `p` in
+/// order: each V vector is loaded (and widened) once for the `G` queries. Both
+/// tiers' V accumulation, at their widths.
 ///
 /// # Safety
-/// `d0 + 8R <= hd`, `w.len() == G·n`, `acc.len() == G·hd`, `vp` points at `n·hd`
-/// readable elements, and the CPU has AVX2, FMA and F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
+/// `d0 + R·V::LANES <= hd`, `w.len() == G·n`, `acc.len() == G·hd`, `vp` points
+/// at `n·hd` readable elements, and the CPU has the features of `V`'s tier.
+#[inline(always)]
 pub(super) unsafe fn accumulate_v<
-    T: KvLanes,
+    T: KvVector<V>,
+    V: F32Lanes,
     const G: usize,
     const R: usize,
     const STREAM: bool,
@@ -2114,25 +2273,36 @@ pub(super) unsafe fn accumulate_v<
     d0: usize,
     acc: &mut [f32],
 ) {
-    debug_assert!(d0 + 8 * R <= hd && w.len() == G * n && acc.len() == G * hd);
-    let mut a: [[__m256; R]; G] =
-        std::array::from_fn(|g| std::array::from_fn(|r| load_f32x8(&acc[g * hd + d0 + 8 * r..])));
+    debug_assert!(d0 + V::LANES * R <= hd && w.len() == G * n && acc.len() == G * hd);
+    let (ap, l) = (acc.as_mut_ptr(), V::LANES);
+    let mut a: [[V; R]; G] = std::array::from_fn(|g| {
+        std::array::from_fn(|r| {
+            // SAFETY: g < G and d0 + l·(r + 1) <= hd: inside `acc` (G·hd
+            // values); the caller guarantees the tier's features (here and in
+            // every block below).
+            unsafe { V::load(ap.add(g * hd + d0 + l * r)) }
+        })
+    });
     for p in 0..n {
         if STREAM && d0 == 0 {
-            prefetch_rows_ahead(vp, hd, p, 1);
+            // SAFETY: as above.
+            unsafe { prefetch_rows_ahead(vp, hd, p, 1) };
         }
-        let wb: [__m256; G] = std::array::from_fn(|g| _mm256_set1_ps(w[g * n + p]));
+        // SAFETY: as above.
+        let wb: [V; G] = std::array::from_fn(|g| unsafe { V::splat(w[g * n + p]) });
         for r in 0..R {
-            // SAFETY: p < n and d0 + 8r + 8 <= hd: inside the V rows.
-            let x = unsafe { T::load8(vp.add(p * hd + d0 + 8 * r)) };
+            // SAFETY: p < n and d0 + l·(r + 1) <= hd: inside the V rows.
+            let x = unsafe { T::load_lanes(vp.add(p * hd + d0 + l * r)) };
             for (a, &wb) in a.iter_mut().zip(&wb) {
-                a[r] = _mm256_fmadd_ps(wb, x, a[r]);
+                // SAFETY: as above.
+                a[r] = unsafe { V::mul_add(wb, x, a[r]) };
             }
         }
     }
     for (g, a) in a.iter().enumerate() {
         for (r, a) in a.iter().enumerate() {
-            store_f32x8(&mut acc[g * hd + d0 + 8 * r..], *a);
+            // SAFETY: as the loads above.
+            unsafe { a.store(ap.add(g * hd + d0 + l * r)) };
         }
     }
 }

@@ -12,18 +12,104 @@
 
 use std::arch::x86_64::*;
 
-use super::super::avx2::{accumulate_v, exp8, prefetch_rows_ahead, KvLanes};
+use super::super::avx2::{
+    accumulate_v, exp8, exp_lanes, prefetch_rows_ahead, AttnChunk, F32Lanes, KvVector,
+};
 use super::reduce_pairs;
-use crate::attn::{exp_ref, Running, EXP_LN2_HI, EXP_LN2_LO, EXP_LOG2E, EXP_MAX, EXP_MIN, EXP_P};
+use crate::attn::{exp_ref, Running};
 
-/// K/V elements read 16 at a time (V) or as two rows' 8 (K).
-pub(super) trait KvLanes16: KvLanes {
-    /// Sixteen consecutive elements at `p`, as f32.
-    ///
-    /// # Safety
-    /// `p` points at 16 readable elements and the CPU has AVX-512 F.
-    unsafe fn load16(p: *const Self) -> __m512;
+impl F32Lanes for __m512 {
+    const LANES: usize = 16;
 
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: the caller's guarantees.
+        unsafe { _mm512_loadu_ps(p) }
+    }
+
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        // SAFETY: the caller's guarantees.
+        unsafe { _mm512_storeu_ps(p, self) }
+    }
+
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        // SAFETY: the caller guarantees AVX-512 F.
+        unsafe { _mm512_set1_ps(x) }
+    }
+
+    #[inline(always)]
+    unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self {
+        // SAFETY: the caller guarantees AVX-512 F.
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+
+    #[inline(always)]
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        // SAFETY: the caller guarantees AVX-512 F.
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+
+    #[inline(always)]
+    unsafe fn add(a: Self, b: Self) -> Self {
+        // SAFETY: the caller guarantees AVX-512 F.
+        unsafe { _mm512_add_ps(a, b) }
+    }
+
+    #[inline(always)]
+    unsafe fn min_keep_nan(self, max: f32) -> Self {
+        // SAFETY: the caller guarantees AVX-512 F.
+        unsafe {
+            let max = _mm512_set1_ps(max);
+            _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(self, max), self, max)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn round_even(self) -> Self {
+        // SAFETY: the caller guarantees AVX-512 F.
+        unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self) }
+    }
+
+    #[inline(always)]
+    unsafe fn exp2_int(self) -> Self {
+        // SAFETY: the caller guarantees AVX-512 F.
+        unsafe {
+            let e = _mm512_add_epi32(_mm512_cvtps_epi32(self), _mm512_set1_epi32(127));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<23>(e))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn zero_where_below(self, x: Self, min: f32) -> Self {
+        // SAFETY: the caller guarantees AVX-512 F.
+        unsafe {
+            let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(min));
+            _mm512_maskz_mov_ps(!below, self)
+        }
+    }
+}
+
+impl KvVector<__m512> for f32 {
+    #[inline(always)]
+    unsafe fn load_lanes(p: *const f32) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable f32s and AVX-512 F.
+        unsafe { _mm512_loadu_ps(p) }
+    }
+}
+
+impl KvVector<__m512> for u16 {
+    #[inline(always)]
+    unsafe fn load_lanes(p: *const u16) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable u16s (32 bytes) and AVX-512 F.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+}
+
+/// K/V elements as this tier reads them: 16 at a time (V), 8 (a V tail), or
+/// two rows' 8 side by side (K).
+pub(super) trait KvLanes16: KvVector<__m512> + KvVector<__m256> {
     /// Eight elements at `p0` (low half) and eight at `p1` (high half), as f32.
     ///
     /// # Safety
@@ -32,12 +118,6 @@ pub(super) trait KvLanes16: KvLanes {
 }
 
 impl KvLanes16 for f32 {
-    #[inline(always)]
-    unsafe fn load16(p: *const f32) -> __m512 {
-        // SAFETY: the caller guarantees 16 readable f32s and AVX-512 F.
-        unsafe { _mm512_loadu_ps(p) }
-    }
-
     #[inline(always)]
     unsafe fn load8x2(p0: *const f32, p1: *const f32) -> __m512 {
         // SAFETY: the caller guarantees 8 readable f32s at each and AVX-512 F.
@@ -52,12 +132,6 @@ impl KvLanes16 for f32 {
 
 impl KvLanes16 for u16 {
     #[inline(always)]
-    unsafe fn load16(p: *const u16) -> __m512 {
-        // SAFETY: the caller guarantees 16 readable u16s (32 bytes) and AVX-512 F.
-        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
-    }
-
-    #[inline(always)]
     unsafe fn load8x2(p0: *const u16, p1: *const u16) -> __m512 {
         // SAFETY: the caller guarantees 8 readable u16s (16 bytes) at each and
         // AVX-512 F.
@@ -70,23 +144,47 @@ impl KvLanes16 for u16 {
     }
 }
 
-/// Queries per chunk of [`attn_group`]: each K and V vector is loaded once for
-/// a chunk.
-const MAX_QUERIES: usize = 4;
+/// The AVX-512 tier's chunks of [`attn_group`](super::super::avx2::attn_group):
+/// up to four queries (a whole head's V strip of 64 for each in the 32
+/// registers), scores over pairs of positions, each query's softmax step, then
+/// V rows accumulated into the chunk's outputs 64 dimensions at a time.
+pub(super) struct Avx512Attn;
 
-/// [`crate::attn::attn_group_ref`]: the `st.len()` queries of one KV head's
-/// group over `n` rows of `hd` elements, in chunks of up to [`MAX_QUERIES`]
-/// queries that share every K and V load: scores of the chunk's queries over
-/// pairs of positions, each query's softmax step, then the V rows accumulated
-/// into the chunk's outputs 64 dimensions at a time.
+impl<T: KvLanes16> AttnChunk<T> for Avx512Attn {
+    const MAX_QUERIES: usize = 4;
+
+    #[inline(always)]
+    unsafe fn chunk<const STREAM: bool>(
+        q: &[f32],
+        k: &[T],
+        v: &[T],
+        (n, hd): (usize, usize),
+        scale: f32,
+        st: &mut [Running],
+        acc: &mut [f32],
+        s: &mut [f32],
+    ) {
+        // SAFETY: (each arm) the caller's guarantees, for `G = st.len()`
+        // queries, as `attn_chunk` requires.
+        unsafe {
+            match st.len() {
+                4 => attn_chunk::<T, 4, STREAM>(q, k, v, n, hd, scale, st, acc, s),
+                3 => attn_chunk::<T, 3, STREAM>(q, k, v, n, hd, scale, st, acc, s),
+                2 => attn_chunk::<T, 2, STREAM>(q, k, v, n, hd, scale, st, acc, s),
+                _ => attn_chunk::<T, 1, STREAM>(q, k, v, n, hd, scale, st, acc, s),
+            }
+        }
+    }
+}
+
+/// [`Avx512Attn`]'s chunk of `G` queries.
 ///
 /// # Safety
-/// `hd % 8 == 0`, `hd > 0`, `n > 0`, `k.len() == v.len() == n·hd`,
-/// `q.len() == acc.len() == st.len()·hd`, `scores.len() >= st.len()·n`, and the
-/// CPU has the features of this tier.
+/// As [`AttnChunk::chunk`] with `st.len() == G`, and the CPU has this tier's
+/// features.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn attn_group<T: KvLanes16, const STREAM: bool>(
+unsafe fn attn_chunk<T: KvLanes16, const G: usize, const STREAM: bool>(
     q: &[f32],
     k: &[T],
     v: &[T],
@@ -95,73 +193,39 @@ pub(super) unsafe fn attn_group<T: KvLanes16, const STREAM: bool>(
     scale: f32,
     st: &mut [Running],
     acc: &mut [f32],
-    scores: &mut [f32],
+    s: &mut [f32],
 ) {
     debug_assert!(
         hd.is_multiple_of(8)
+            && st.len() == G
             && k.len() == n * hd
             && v.len() == n * hd
-            && q.len() == st.len() * hd
+            && q.len() == G * hd
             && acc.len() == q.len()
-            && scores.len() >= st.len() * n
+            && s.len() == G * n
     );
-    let mut g0 = 0;
-    while g0 < st.len() {
-        let gn = (st.len() - g0).min(MAX_QUERIES);
-        let qs = &q[g0 * hd..(g0 + gn) * hd];
-        let s = &mut scores[g0 * n..(g0 + gn) * n];
-        // SAFETY: (all four calls) the chunk's shapes are those of the whole
-        // group restricted to `gn` queries, as each callee requires.
-        unsafe {
-            match gn {
-                4 => group_scores::<T, 4, 4, STREAM>(qs, k, n, hd, scale, s),
-                3 => group_scores::<T, 3, 4, STREAM>(qs, k, n, hd, scale, s),
-                2 => group_scores::<T, 2, 4, STREAM>(qs, k, n, hd, scale, s),
-                _ => group_scores::<T, 1, 4, STREAM>(qs, k, n, hd, scale, s),
-            }
+    // SAFETY: the shapes `group_scores` requires.
+    unsafe { group_scores::<T, G, 4, STREAM>(q, k, n, hd, scale, s) };
+    for ((w, run), a) in s.chunks_exact_mut(n).zip(st).zip(acc.chunks_exact_mut(hd)) {
+        softmax_step(w, run, a);
+    }
+    let vp = v.as_ptr();
+    let mut d0 = 0;
+    // SAFETY: (each call) the strip lies inside the head dimension, `vp`
+    // points at n·hd readable elements, `s` holds G·n weights and `acc` G·hd
+    // values.
+    unsafe {
+        while d0 + 64 <= hd {
+            accumulate_v::<T, __m512, G, 4, STREAM>(s, n, vp, hd, d0, acc);
+            d0 += 64;
         }
-        let accs = &mut acc[g0 * hd..(g0 + gn) * hd];
-        for ((w, run), a) in s
-            .chunks_exact_mut(n)
-            .zip(&mut st[g0..g0 + gn])
-            .zip(accs.chunks_exact_mut(hd))
-        {
-            softmax_step(w, run, a);
+        while d0 + 16 <= hd {
+            accumulate_v::<T, __m512, G, 1, STREAM>(s, n, vp, hd, d0, acc);
+            d0 += 16;
         }
-        let vp = v.as_ptr();
-        // SAFETY: (each call) the strip lies inside the head dimension, `vp`
-        // points at n·hd readable elements, `s` holds gn·n weights and `accs`
-        // gn·hd values.
-        unsafe {
-            let mut d0 = 0;
-            while d0 + 64 <= hd {
-                match gn {
-                    4 => accumulate_v16::<T, 4, 4, STREAM>(s, n, vp, hd, d0, accs),
-                    3 => accumulate_v16::<T, 3, 4, STREAM>(s, n, vp, hd, d0, accs),
-                    2 => accumulate_v16::<T, 2, 4, STREAM>(s, n, vp, hd, d0, accs),
-                    _ => accumulate_v16::<T, 1, 4, STREAM>(s, n, vp, hd, d0, accs),
-                }
-                d0 += 64;
-            }
-            while d0 + 16 <= hd {
-                match gn {
-                    4 => accumulate_v16::<T, 4, 1, STREAM>(s, n, vp, hd, d0, accs),
-                    3 => accumulate_v16::<T, 3, 1, STREAM>(s, n, vp, hd, d0, accs),
-                    2 => accumulate_v16::<T, 2, 1, STREAM>(s, n, vp, hd, d0, accs),
-                    _ => accumulate_v16::<T, 1, 1, STREAM>(s, n, vp, hd, d0, accs),
-                }
-                d0 += 16;
-            }
-            if d0 < hd {
-                match gn {
-                    4 => accumulate_v::<T, 4, 1, STREAM>(s, n, vp, hd, d0, accs),
-                    3 => accumulate_v::<T, 3, 1, STREAM>(s, n, vp, hd, d0, accs),
-                    2 => accumulate_v::<T, 2, 1, STREAM>(s, n, vp, hd, d0, accs),
-                    _ => accumulate_v::<T, 1, 1, STREAM>(s, n, vp, hd, d0, accs),
-                }
-            }
+        if d0 < hd {
+            accumulate_v::<T, __m256, G, 1, STREAM>(s, n, vp, hd, d0, acc);
         }
-        g0 += gn;
     }
 }
 
@@ -225,108 +289,12 @@ unsafe fn group_scores<T: KvLanes16, const G: usize, const PP: usize, const STRE
     }
 }
 
-/// `acc_g[d] = fma(w_g[p], v[p·hd + d], acc_g[d])` for the `G` queries (weights
-/// `w[g·n..]`, outputs `acc[g·hd..]`), `d` in `d0..d0 + 16R`, `p` in order:
-/// each V vector is loaded (and widened) once for the `G` queries.
-///
-/// # Safety
-/// `d0 + 16R <= hd`, `w.len() == G·n`, `acc.len() == G·hd`, `vp` points at
-/// `n·hd` readable elements, and the CPU has AVX-512 F.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn accumulate_v16<T: KvLanes16, const G: usize, const R: usize, const STREAM: bool>(
-    w: &[f32],
-    n: usize,
-    vp: *const T,
-    hd: usize,
-    d0: usize,
-    acc: &mut [f32],
-) {
-    debug_assert!(d0 + 16 * R <= hd && w.len() == G * n && acc.len() == G * hd);
-    let ap = acc.as_mut_ptr();
-    let mut a: [[__m512; R]; G] = std::array::from_fn(|g| {
-        std::array::from_fn(|r| {
-            // SAFETY: g < G and d0 + 16r + 16 <= hd: inside `acc` (G·hd values).
-            unsafe { _mm512_loadu_ps(ap.add(g * hd + d0 + 16 * r)) }
-        })
-    });
-    for p in 0..n {
-        if STREAM && d0 == 0 {
-            prefetch_rows_ahead(vp, hd, p, 1);
-        }
-        let wb: [__m512; G] = std::array::from_fn(|g| _mm512_set1_ps(w[g * n + p]));
-        for r in 0..R {
-            // SAFETY: p < n and d0 + 16r + 16 <= hd: inside the V rows.
-            let x = unsafe { T::load16(vp.add(p * hd + d0 + 16 * r)) };
-            for (a, &wb) in a.iter_mut().zip(&wb) {
-                a[r] = _mm512_fmadd_ps(wb, x, a[r]);
-            }
-        }
-    }
-    for (g, a) in a.iter().enumerate() {
-        for (r, a) in a.iter().enumerate() {
-            // SAFETY: as the loads above.
-            unsafe { _mm512_storeu_ps(ap.add(g * hd + d0 + 16 * r), *a) };
-        }
-    }
-}
-
-/// [`crate::attn::attn_group_ref`]: the table entry (head sizes that are not a
-/// multiple of 8 go to the reference, as on the AVX2 tier).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn attn_group_checked<T: KvLanes16>(
-    q: &[f32],
-    k: &[T],
-    v: &[T],
-    scale: f32,
-    st: &mut [Running],
-    acc: &mut [f32],
-    scores: &mut [f32],
-    stream: bool,
-) {
-    let (n, hd) = crate::attn::check_group(q, k, v, st, acc, scores);
-    if !hd.is_multiple_of(8) {
-        return crate::attn::attn_group_ref(q, k, v, scale, st, acc, scores, stream);
-    }
-    // SAFETY: the tier is handed out only after detection (see `super`);
-    // `check_group` and the `hd % 8` test establish the shapes `attn_group`
-    // requires.
-    unsafe {
-        if stream {
-            attn_group::<T, true>(q, k, v, n, hd, scale, st, acc, scores)
-        } else {
-            attn_group::<T, false>(q, k, v, n, hd, scale, st, acc, scores)
-        }
-    }
-}
-
-/// [`crate::attn::exp_ref`] on 16 lanes: the AVX2 tier's `exp8`, lane by lane.
+/// [`crate::attn::exp_ref`] on 16 lanes: [`exp_lanes`].
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn exp16(x: __m512) -> __m512 {
-    let max = _mm512_set1_ps(EXP_MAX);
-    // `if x > MAX { MAX } else { x }` (a NaN stays).
-    let x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, max), x, max);
-    let small = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_MIN));
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-        _mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
-    );
-    let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_LN2_HI), x);
-    let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_LN2_LO), r);
-    let mut p = _mm512_set1_ps(EXP_P[0]);
-    for &c in &EXP_P[1..] {
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    }
-    let y = _mm512_add_ps(
-        _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r),
-        _mm512_set1_ps(1.0),
-    );
-    // Lanes below MIN (and -inf) get garbage exponents here; they are set to +0.
-    let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
-        _mm512_cvtps_epi32(n),
-        _mm512_set1_epi32(127),
-    ));
-    _mm512_maskz_mul_ps(!small, y, _mm512_castsi512_ps(e))
+    // SAFETY: AVX-512 F is enabled here.
+    unsafe { exp_lanes(x) }
 }
 
 /// `x[i] = exp_ref(x[i])`, 16 at a time.
