@@ -77,8 +77,11 @@ pub(super) static KERNELS: Kernels = Kernels {
 // Table entries: the length checks the scalar references make, then the call.
 // SAFETY (every `unsafe` call below): `KERNELS` is only reachable through
 // `super::avx2()`, which returns it after detecting AVX2, FMA and F16C, the
-// features the callee is compiled for. Memory safety inside the callees does
-// not depend on these length checks beyond what slices already guarantee.
+// features the callee is compiled for; the entries the AVX-512 tier shares
+// (`pub(super)`) are reachable through its table too, which `super::avx512()`
+// hands out only where `super::avx2()` succeeds. Memory safety inside the
+// callees does not depend on these length checks beyond what slices already
+// guarantee.
 
 pub(super) fn vec_dot_q4_k_q8_k(x: &[BlockQ4_K], y: &[BlockQ8_K]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_q4_K_q8_K block counts");

@@ -8,7 +8,7 @@
 //!
 //! Entries that gain nothing from 512 bits are the AVX2 tier's own functions
 //! (which this tier may call: it is only handed out where the AVX2 tier's
-//! features are present too); each says why below.
+//! features are present too); the table says why for each group.
 
 use std::arch::x86_64::*;
 
@@ -26,36 +26,49 @@ mod q8;
 /// The AVX-512 tier.
 pub(super) static KERNELS: Kernels = Kernels {
     tier: "avx512",
+    // Order F2 (the fast path's Q4_1/Q8_0 products) and its activation rounding.
+    quantize_act16: act16::quantize_act16,
+    gemm_q4_1_act16: act16::gemm_act16::<BlockQ4_1>,
+    gemm_q8_0_act16: act16::gemm_act16::<BlockQ8_0>,
+    // Attention, and order F1's tiles.
+    attn_group_f32: avx2::attn_group::<f32, attn::Avx512Attn>,
+    attn_group_f16: avx2::attn_group::<u16, attn::Avx512Attn>,
+    exp_inplace: attn::exp_inplace,
+    widen_f16: fast::widen_f16,
+    gemm_tile: fast::gemm_tile,
+    // The Q8 path's Q4_1 rows from the packed layout (what the engine runs).
+    gemm_q4_1_q8_0_f2: q8::gemm_q4_1_q8_0_f2,
+    // The AVX2 tier's: the Q8 path from GGUF blocks (the engine packs its Q4_1
+    // matrices) and over Q8_0 rows (no VNNI version written yet).
+    matvec_q4_1_q8_0: avx2::matvec_q4_1_q8_0,
+    gemm_q4_1_q8_0: avx2::gemm_q4_1_q8_0,
+    matvec_q8_0_q8_0: avx2::matvec_q8_0_q8_0,
+    // The AVX2 tier's: single-row Q8 dots, whose serial sum in block order
+    // bounds them; the K-quant dots, whose integer lanes by element index mod 8
+    // `vpdpbusd`'s groups of four bytes do not keep.
     vec_dot_q4_0_q8_0: avx2::vec_dot_q4_0_q8_0,
     vec_dot_q4_1_q8_0: avx2::vec_dot_q4_1_q8_0,
     vec_dot_q5_0_q8_0: avx2::vec_dot_q5_0_q8_0,
     vec_dot_q8_0_q8_0: avx2::vec_dot_q8_0_q8_0,
-    vec_dot_f32: avx2::vec_dot_f32,
-    vec_dot_f32_fused: avx2::vec_dot_f32_fused,
-    dequantize_row_q4_1: avx2::dequantize_row_q4_1,
-    dequantize_row_q8_0: avx2::dequantize_row_q8_0,
-    quantize_row_q8_0: avx2::quantize_row_q8_0,
-    dot_fma1: avx2::dot_fma1,
-    matvec_q4_1_q8_0: avx2::matvec_q4_1_q8_0,
-    matvec_q8_0_q8_0: avx2::matvec_q8_0_q8_0,
-    gemm_q4_1_q8_0: avx2::gemm_q4_1_q8_0,
-    gemm_q4_1_q8_0_f2: q8::gemm_q4_1_q8_0_f2,
-    gemm_tile: fast::gemm_tile,
-    exp_inplace: attn::exp_inplace,
-    attn_group_f32: avx2::attn_group::<f32, attn::Avx512Attn>,
-    attn_group_f16: avx2::attn_group::<u16, attn::Avx512Attn>,
-    widen_f16: fast::widen_f16,
-    quantize_act16: act16::quantize_act16,
-    gemm_q4_1_act16: act16::gemm_act16::<BlockQ4_1>,
-    gemm_q8_0_act16: act16::gemm_act16::<BlockQ8_0>,
     vec_dot_q4_k_q8_k: avx2::vec_dot_q4_k_q8_k,
     vec_dot_q6_k_q8_k: avx2::vec_dot_q6_k_q8_k,
+    // The AVX2 tier's: f32 dots whose order is one 8-lane dependency chain (the
+    // fused dot's order is the AVX2 one, so the two tiers agree on it).
+    vec_dot_f32: avx2::vec_dot_f32,
+    vec_dot_f32_fused: avx2::vec_dot_f32_fused,
+    dot_fma1: avx2::dot_fma1,
+    // The AVX2 tier's: conversions bound by their stores (16-wide Q8_0 and Q4_1
+    // dequantizers measured the same on Zen 5), and Q8_0 activation rounding
+    // (under 0.5% of a matmul).
+    dequantize_row_q4_0: avx2::dequantize_row_q4_0,
+    dequantize_row_q4_1: avx2::dequantize_row_q4_1,
+    dequantize_row_q5_0: avx2::dequantize_row_q5_0,
+    dequantize_row_q8_0: avx2::dequantize_row_q8_0,
     dequantize_row_q4_k: avx2::dequantize_row_q4_k,
     dequantize_row_q6_k: avx2::dequantize_row_q6_k,
-    dequantize_row_q4_0: avx2::dequantize_row_q4_0,
-    dequantize_row_q5_0: avx2::dequantize_row_q5_0,
     dequantize_row_f16: avx2::dequantize_row_f16,
     dequantize_row_bf16: avx2::dequantize_row_bf16,
+    quantize_row_q8_0: avx2::quantize_row_q8_0,
 };
 
 // ---- helpers shared by the submodules -----------------------------------------
