@@ -824,8 +824,16 @@ impl WorkerState {
         let mut finish = FinishReason::Length;
         let mut guard = Guard::new(gate, max_tokens);
         let t1 = Instant::now();
+        // Why the generation was cut short, if it was (traced as `cancelled`,
+        // not as the finish the client would have seen).
+        let mut cancelled = None;
         while generated < max_tokens {
-            if self.stopping.load(Ordering::Acquire) || job.events.is_closed() {
+            if self.stopping.load(Ordering::Acquire) {
+                cancelled = Some("the server is shutting down");
+                break;
+            }
+            if job.events.is_closed() {
+                cancelled = Some("the client went away");
                 break;
             }
             let logits = self.session.logits().map_err(engine)?;
@@ -847,6 +855,7 @@ impl WorkerState {
             let (emit, stopped) = stops.push(&text);
             output.push_str(&emit);
             if !emit.is_empty() && job.events.blocking_send(Event::Text(emit)).is_err() {
+                cancelled = Some("the client went away");
                 break;
             }
             if stopped {
@@ -882,7 +891,9 @@ impl WorkerState {
                 "checkpoint_file": checkpoint.as_ref().map(|f| f.display().to_string()),
                 "prefilled_tokens": ids.len() - reused, "checkpointed_tokens": checkpointed,
                 "prefill_s": prefill_s, "decode_s": decode_s, "generated_tokens": generated,
-                "generated_text": output, "finish_reason": finish.as_str(),
+                "generated_text": output,
+                "finish_reason": if cancelled.is_some() { "cancelled" } else { finish.as_str() },
+                "cancelled": cancelled,
                 "grammar": guard.gate.as_ref().map(|g| if g.trigger.is_some() && !guard.active { "lazy-unused" } else { "held" }),
                 "grammar_dropped": guard.dropped, "mask_s": guard.mask_s,
                 "grammar_wound_down": guard.winding_down,
@@ -895,7 +906,7 @@ impl WorkerState {
             ids.len(),
             prefill_s,
             decode_s,
-            finish.as_str()
+            if cancelled.is_some() { "cancelled" } else { finish.as_str() }
         );
         let _ = job.events.blocking_send(Event::Done {
             finish,
