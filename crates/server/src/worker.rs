@@ -626,8 +626,16 @@ impl WorkerState {
                     "prompt": t.prompt(&job.prompt), "error": e.to_string(),
                 }));
             }
+            self.report_store();
             let _ = job.events.blocking_send(Event::Failed(e));
         }
+        self.report_store();
+    }
+
+    /// Publishes the store's counters. Also called before a job's last event,
+    /// so a client that reads /metrics after its response sees that job's
+    /// saves (and failed saves).
+    fn report_store(&self) {
         if let Some(p) = &self.persist {
             self.metrics.store(&p.store_usage());
         }
@@ -908,6 +916,7 @@ impl WorkerState {
             decode_s,
             if cancelled.is_some() { "cancelled" } else { finish.as_str() }
         );
+        self.report_store();
         let _ = job.events.blocking_send(Event::Done {
             finish,
             usage: Usage {
