@@ -11,8 +11,8 @@ pub enum EngineError {
     Gguf(#[from] GgufError),
     #[error("tokenizer: {0}")]
     Tokenizer(#[from] TokenizerError),
-    #[error("unsupported architecture {0:?} (this build runs: llama)")]
-    UnsupportedArchitecture(String),
+    #[error("unsupported architecture {arch:?} (this build runs: {supported})")]
+    UnsupportedArchitecture { arch: String, supported: String },
     #[error("hyper-parameter {key}: {reason}")]
     BadHyperParameter { key: String, reason: String },
     #[error("tensor {name:?} is missing")]
@@ -39,6 +39,13 @@ pub enum EngineError {
     NoLogits,
     #[error("cannot rewind to {to} tokens: the session holds {len}")]
     RewindBeyondEnd { to: usize, len: usize },
+    #[error(
+        "cannot cut the session back to {to} of its {len} tokens: its sliding-window \
+         layers no longer hold the rows that position reads (restore a snapshot or prefill again)"
+    )]
+    CannotCutBack { to: usize, len: usize },
+    #[error("batch: {reason}")]
+    Batch { reason: String },
     #[error("session payload holds {payload} K/V; this session stores {session} (--kv-type)")]
     KvTypeMismatch {
         payload: crate::session::KvType,

@@ -1,7 +1,9 @@
-//! The inference engine: tokenizers, model families (one module per family), the
-//! session (exact tokens, per-layer state, next-token logits) and the sampler.
-//! It knows nothing of HTTP or of the checkpoint store.
+//! The inference engine: tokenizers, model families (one module per family and a
+//! registry), per-sequence state behind one trait, the session (exact tokens,
+//! state, next-token logits), a forward pass over several sessions at once, and
+//! the sampler. It knows nothing of HTTP or of the checkpoint store.
 
+mod batch;
 mod error;
 mod model;
 mod models;
@@ -10,15 +12,18 @@ mod payload;
 pub mod rope;
 pub mod sampler;
 mod session;
+mod state;
 pub mod tokenizer;
 
+pub use batch::Batch;
 pub use ds4_gguf::{DigestEvent, DigestOptions};
 pub use ds4_kernels::pool::{default_threads, ThreadPool};
 pub use ds4_kernels::{available_kernel_tiers, kernel_tier, requested_kernel_tier};
 pub use error::{EngineError, Result};
 pub use model::{Fingerprint, HParams, Model};
+pub use models::supported_architectures;
 pub use ops::Precision;
-pub use payload::{PayloadHeader, PAYLOAD_MAGIC, PAYLOAD_VERSION};
+pub use payload::{PayloadHeader, PayloadV1Shape, PAYLOAD_MAGIC, PAYLOAD_VERSION};
 pub use rope::{RopeRequest, RopeScaling, RopeScalingType};
 pub use sampler::{Sampler, SamplerConfig};
 pub use session::{KvType, Session, SessionOptions, Snapshot};

@@ -10,7 +10,7 @@ use ds4_kernels::matmul::WeightMatrix;
 use ds4_kernels::WeightFormat;
 
 use crate::error::{EngineError, Result};
-use crate::models::llama::LlamaWeights;
+use crate::models::{self, Family};
 use crate::rope::{RopeRequest, RopeScaling, RopeScalingType};
 use crate::tokenizer::Tokenizer;
 
@@ -44,11 +44,10 @@ impl HParams {
         self.n_head_kv * self.head_dim
     }
 
-    fn from_gguf(g: &Gguf, n_vocab: usize) -> Result<Self> {
-        let arch = g.get_str("general.architecture")?.to_string();
-        if arch != "llama" {
-            return Err(EngineError::UnsupportedArchitecture(arch));
-        }
+    /// The hyper-parameters every family reads (`{arch}.*` keys); a family
+    /// checks its own extra ones when it binds.
+    fn from_gguf(g: &Gguf, arch: &str, n_vocab: usize) -> Result<Self> {
+        let arch = arch.to_string();
         let int = |name: &str| -> Result<usize> {
             let key = format!("{arch}.{name}");
             let v = g.get_u64(&key)?;
@@ -174,13 +173,13 @@ pub(crate) struct TensorRef {
     pub n_out: usize,
     pub start: usize,
     pub len: usize,
-    /// Index of its F2 layout (Q4_1 and Q8_0) in the model's packed copies.
+    /// Index of its F2 layout (Q4_1, Q8_0, Q5_0) in the model's packed copies.
     pub f2: Option<usize>,
 }
 
 /// Checks a tensor's presence, shape and type while binding a family's layout, and
 /// remembers which tensors were bound so leftovers can be reported.
-/// Also packs every Q4_1 and Q8_0 matrix into the layout the fast path runs
+/// Also packs every Q4_1, Q8_0 and Q5_0 matrix into the layout the fast path runs
 /// ([`WeightMatrix::pack_f2`]): a copy the size of those tensors, so the fast
 /// path never reads the mapped blocks, whose pages are then dropped from the
 /// resident set (the other precisions and the embedding lookup fault back in
@@ -345,11 +344,12 @@ pub struct Model {
     pub hparams: HParams,
     pub tokenizer: Tokenizer,
     pub fingerprint: Fingerprint,
-    pub(crate) weights: LlamaWeights,
+    /// The family's bound weights and forward pass.
+    pub(crate) family: Box<dyn Family>,
     /// The operator's RoPE scaling request, which every session resolves for its
     /// context ([`RopeRequest::resolve`]).
     rope_request: RopeRequest,
-    /// The fast path's copies of the Q4_1 and Q8_0 matrices ([`TensorRef::f2`]).
+    /// The fast path's copies of the Q4_1, Q8_0 and Q5_0 matrices ([`TensorRef::f2`]).
     f2: Vec<F2Matrix>,
 }
 
@@ -365,14 +365,18 @@ impl Model {
         Self::from_gguf_with(Gguf::open(path)?, digest)
     }
 
+    /// Dispatches on `general.architecture` to the family registry; an
+    /// architecture no family runs fails here, listing the ones that do.
     pub fn from_gguf(gguf: Gguf) -> Result<Self> {
         Self::from_gguf_with(gguf, &DigestOptions::default())
     }
 
     fn from_gguf_with(gguf: Gguf, digest: &DigestOptions<'_>) -> Result<Self> {
+        let arch = gguf.get_str("general.architecture")?;
+        let entry = models::entry_for(arch)?;
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
         let n_vocab = tokenizer.n_vocab();
-        let hparams = HParams::from_gguf(&gguf, n_vocab)?;
+        let hparams = HParams::from_gguf(&gguf, entry.arch, n_vocab)?;
         if let Some(v) = gguf.get(&format!("{}.vocab_size", hparams.arch)) {
             if v.as_u64() != Some(n_vocab as u64) {
                 return Err(bad(
@@ -381,7 +385,7 @@ impl Model {
                 ));
             }
         }
-        let (weights, f2) = LlamaWeights::bind(&gguf, &hparams)?;
+        let (family, f2) = (entry.bind)(&gguf, &hparams)?;
         // After binding, so a wrong file fails before its data is read.
         let fingerprint = Fingerprint::of(&gguf, &hparams.arch, gguf.data_digest(digest));
         Ok(Model {
@@ -389,7 +393,7 @@ impl Model {
             hparams,
             tokenizer,
             fingerprint,
-            weights,
+            family,
             rope_request: RopeRequest::default(),
             f2,
         })
@@ -411,6 +415,11 @@ impl Model {
     /// context is refused ([`RopeRequest::resolve_checked`]).
     pub fn rope_scaling_for(&self, n_ctx: usize) -> Result<RopeScaling> {
         self.rope_request.resolve_checked(&self.hparams, n_ctx)
+    }
+
+    /// The family's name (`llama`, `gemma3`).
+    pub fn family_name(&self) -> &'static str {
+        self.family.entry().name
     }
 
     pub fn gguf(&self) -> &Gguf {

@@ -2,7 +2,7 @@
 //! attention over a per-head K/V cache, SwiGLU, and projection through a weight
 //! matrix in either precision.
 
-use ds4_kernels::attn::{attn_group, exp_ref, AsF32Rows, Running};
+use ds4_kernels::attn::{attn_group, exp_inplace, exp_ref, AsF32Rows, Running};
 use ds4_kernels::matmul::{matmul, matmul_f32, matmul_fast, F32Dot, WeightMatrix};
 use ds4_kernels::pool::ThreadPool;
 use ds4_kernels::{ActivationFormat, QuantizedActivations};
@@ -12,7 +12,7 @@ use crate::rope::RopeScaling;
 /// How matrix products treat activations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Precision {
-    /// Against Q4_1 and Q8_0 weights, activations rounded to 16-bit blocks and
+    /// Against Q4_1, Q8_0 and Q5_0 weights, activations rounded to 16-bit blocks and
     /// integer dot products (`ds4_kernels::act16`, order F2: an error of at most
     /// 1/65534 of each block's largest value); against other formats, f32
     /// activations and weights dotted with fused multiply-adds
@@ -47,6 +47,21 @@ pub fn rms_norm_rows(pool: &ThreadPool, x: &[f32], w: &[f32], eps: f32, out: &mu
     let n = w.len();
     pool.for_each_row_block_mut(out, n, &|first, rows| {
         rms_norm(&x[first * n..][..rows.len()], w, eps, rows);
+    });
+}
+
+/// [`rms_norm`] in place over rows of `w.len()`, shared out to the pool: the same
+/// arithmetic, so the same bits (Gemma 3's QK-norm and post-norms).
+pub fn rms_norm_rows_inplace(pool: &ThreadPool, x: &mut [f32], w: &[f32], eps: f32) {
+    let n = w.len();
+    pool.for_each_row_block_mut(x, n, &|_, rows| {
+        for row in rows.chunks_exact_mut(n) {
+            let ss: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+            let scale = (1.0 / (ss / n as f64 + f64::from(eps)).sqrt()) as f32;
+            for (v, &g) in row.iter_mut().zip(w) {
+                *v = *v * scale * g;
+            }
+        }
     });
 }
 
@@ -120,6 +135,19 @@ impl Rope {
         }
     }
 
+    /// Rotates pairs `(i, i + n_rot/2)` of every head with precomputed angles
+    /// (ggml's NeoX mode, which Gemma uses).
+    pub fn rotate_neox(x: &mut [f32], head_dim: usize, sc: &[(f32, f32)]) {
+        let half = sc.len();
+        for head in x.chunks_exact_mut(head_dim) {
+            for (i, &(s, c)) in sc.iter().enumerate() {
+                let (a, b) = (head[i], head[i + half]);
+                head[i] = a * c - b * s;
+                head[i + half] = a * s + b * c;
+            }
+        }
+    }
+
     /// [`apply_interleaved`](Self::apply_interleaved) with precomputed angles.
     pub fn rotate(x: &mut [f32], head_dim: usize, sc: &[(f32, f32)]) {
         for head in x.chunks_exact_mut(head_dim) {
@@ -128,6 +156,28 @@ impl Rope {
                 head[2 * i] = a * c - b * s;
                 head[2 * i + 1] = a * s + b * c;
             }
+        }
+    }
+}
+
+/// `gelu(gate) * up` with GELU's tanh form (ggml's `gelu`), in place in `gate`.
+/// `0.5·x·(1 + tanh(u))` with `u = sqrt(2/π)·(x + 0.044715·x³)` is computed as
+/// its equal `x / (1 + e^(-2u))`: one [`exp_inplace`] (the kernels' SIMD `exp`,
+/// within 2 ulp) per element instead of libm's `tanhf`, and no cancellation
+/// near `tanh = -1`. (llama.cpp reads GELU from an f16 table instead; the
+/// golden vectors' `f32_reference/` carry that as up to ~0.01 nat.)
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    const TWO_SQRT_2_OVER_PI: f32 = 2.0 * 0.797_884_6;
+    const GELU_COEF_A: f32 = 0.044_715;
+    let mut e = [0.0f32; 64];
+    for (g, u) in gate.chunks_mut(64).zip(up.chunks(64)) {
+        let e = &mut e[..g.len()];
+        for (e, &x) in e.iter_mut().zip(g.iter()) {
+            *e = -TWO_SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x);
+        }
+        exp_inplace(e);
+        for ((g, &e), &u) in g.iter_mut().zip(e.iter()).zip(u) {
+            *g = *g / (1.0 + e) * u;
         }
     }
 }
@@ -200,9 +250,9 @@ pub fn project(
     }
 }
 
-/// Positions per attention tile: one tile of K and V rows (2 x 16 KiB at head_dim
+/// Positions per attention tile (and the unit of a ring's length): one tile of K and V rows (2 x 16 KiB at head_dim
 /// 64) stays in L1 while every query of a block uses it.
-const ATTN_TILE: usize = 64;
+pub const ATTN_TILE: usize = 64;
 /// Query tokens per work item.
 const ATTN_TOKEN_BLOCK: usize = 16;
 /// Positions per attention segment (a multiple of [`ATTN_TILE`]). A query's keys are
@@ -213,31 +263,63 @@ const ATTN_TOKEN_BLOCK: usize = 16;
 const ATTN_SEG: usize = 256;
 const _: () = assert!(ATTN_SEG.is_multiple_of(ATTN_TILE));
 
+/// Where one layer's K/V rows of a sequence live and which of them a query sees.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnLayout {
+    /// Rows per KV head: position `p` is stored at row `p % rows`. A dense cache
+    /// has a row for every position of the context (no wrap); a sliding-window
+    /// ring has fewer, a multiple of [`ATTN_TILE`], so no tile wraps.
+    pub rows: usize,
+    /// A query at position `p` sees positions `p + 1 - window ..= p` (llama.cpp's
+    /// standard sliding window); `None`: every position `0..=p`.
+    pub window: Option<usize>,
+    /// What a query-key dot product is multiplied by.
+    pub scale: f32,
+}
+
+impl AttnLayout {
+    /// Every position, scaled by `1/sqrt(head_dim)`, rows for `n_ctx` positions.
+    pub fn dense(n_ctx: usize, head_dim: usize) -> Self {
+        AttnLayout {
+            rows: n_ctx,
+            window: None,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        }
+    }
+
+    /// The first position the query at `pos` sees.
+    fn first_seen(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+}
+
 /// Causal attention for a batch of query rows at positions `pos0..pos0 + n_tokens`.
 ///
 /// `q` is `[n_tokens][n_head][head_dim]`; `k_cache`/`v_cache` are
-/// `[n_head_kv][n_ctx][head_dim]` (f32, or f16 bits) and already hold every
-/// position up to the last query. Each query attends to positions `0..=its own`.
-/// Output like `q`.
+/// `[n_head_kv][layout.rows][head_dim]` (f32, or f16 bits) and already hold every
+/// position a query sees, each at row `position % rows`. Output like `q`.
 ///
 /// Work items are (kv head, block of query tokens, segment of [`ATTN_SEG`]
 /// positions); an item walks its segment in tiles of [`ATTN_TILE`] positions with
 /// an online softmax, so each K/V tile is read once for all the queries of the
 /// block and of the head group. Each query's segments are then merged in segment
-/// order. Segments and tiles sit at fixed absolute positions and each query's
-/// arithmetic is the same however the tokens are batched, so chunked prefill and
-/// token-by-token decoding agree bit for bit. A tile step is
-/// `ds4_kernels::attn::attn_group`: one token's heads of a KV head's group at once,
-/// sharing every K/V load (SIMD scores, exp and V accumulation, equal bit for bit
-/// to the scalar reference of each query alone); a block of several tokens widens
-/// f16 tiles once, a single token reads them directly (both exact).
+/// order. Segments and tiles sit at fixed absolute positions, a query's first
+/// tile is cut at the first position it sees, and each query's arithmetic is the
+/// same however the tokens are batched, so chunked prefill and token-by-token
+/// decoding agree bit for bit. Under a sliding window only the segments the
+/// batch's windows reach are items, so a long context costs what its window
+/// does. A tile step is `ds4_kernels::attn::attn_group`: one token's heads of a
+/// KV head's group at once, sharing every K/V load (SIMD scores, exp and V
+/// accumulation, equal bit for bit to the scalar reference of each query alone);
+/// a block of several tokens widens f16 tiles once, a single token reads them
+/// directly (both exact).
 #[allow(clippy::too_many_arguments)]
 pub fn attention<T: AsF32Rows>(
     pool: &ThreadPool,
     q: &[f32],
     k_cache: &[T],
     v_cache: &[T],
-    n_ctx: usize,
+    layout: AttnLayout,
     n_head: usize,
     n_head_kv: usize,
     head_dim: usize,
@@ -245,33 +327,39 @@ pub fn attention<T: AsF32Rows>(
     out: &mut [f32],
 ) {
     let n_tokens = q.len() / (n_head * head_dim);
+    let end = pos0 + n_tokens;
+    assert!(
+        layout.rows >= end || layout.rows.is_multiple_of(ATTN_TILE),
+        "a ring of {} rows would wrap inside a tile",
+        layout.rows
+    );
     let group = n_head / n_head_kv;
     let n_blocks = n_tokens.div_ceil(ATTN_TOKEN_BLOCK);
-    let n_seg = (pos0 + n_tokens).div_ceil(ATTN_SEG);
+    let seg0 = layout.first_seen(pos0) / ATTN_SEG;
+    let n_seg = end.div_ceil(ATTN_SEG) - seg0;
     let bq = ATTN_TOKEN_BLOCK * group;
     // Per item: each query's unnormalized output, then each query's (max, sum).
     let item_len = bq * (head_dim + 2);
-    let scale = 1.0 / (head_dim as f32).sqrt();
+    let head_rows = layout.rows * head_dim;
     ATTN_OUT.with_borrow_mut(|scratch| {
         scratch.resize(n_head_kv * n_blocks * n_seg * item_len, 0.0);
         pool.for_each_chunk_mut(scratch, item_len, &|item, o| {
-            let seg = item % n_seg;
+            let seg = seg0 + item % n_seg;
             let (kvh, tb) = (item / n_seg / n_blocks, item / n_seg % n_blocks);
             let t0 = tb * ATTN_TOKEN_BLOCK;
             let t1 = (t0 + ATTN_TOKEN_BLOCK).min(n_tokens);
-            let p0 = seg * ATTN_SEG;
-            let p1 = (p0 + ATTN_SEG).min(pos0 + t1);
-            let ks = &k_cache[kvh * n_ctx * head_dim..][..(pos0 + t1) * head_dim];
-            let vs = &v_cache[kvh * n_ctx * head_dim..][..(pos0 + t1) * head_dim];
+            let p0 = (seg * ATTN_SEG).max(layout.first_seen(pos0 + t0) / ATTN_TILE * ATTN_TILE);
+            let p1 = (seg * ATTN_SEG + ATTN_SEG).min(pos0 + t1);
+            let ks = &k_cache[kvh * head_rows..][..head_rows];
+            let vs = &v_cache[kvh * head_rows..][..head_rows];
             attend_block(
                 q,
-                ks,
-                vs,
+                (ks, vs),
                 (t0, t1),
                 (kvh, group, n_head, head_dim),
                 pos0,
                 (p0, p1),
-                scale,
+                layout,
                 o,
             );
         });
@@ -326,19 +414,19 @@ fn merge_segments(
 }
 
 /// One work item: queries `t0..t1` of the heads of kv head `kvh` over positions
-/// `p0..p1` (one segment). Writes `o` as `[token in block][head in group][head_dim]`
+/// `p0..p1` (one segment, its start raised to the tile of the first position the
+/// block sees). Writes `o` as `[token in block][head in group][head_dim]`
 /// unnormalized outputs followed by each query's `(max, sum)`; a query that sees
 /// no position of the segment gets `(-inf, 0)`.
 #[allow(clippy::too_many_arguments)]
 fn attend_block<T: AsF32Rows>(
     q: &[f32],
-    ks: &[T],
-    vs: &[T],
+    (ks, vs): (&[T], &[T]),
     (t0, t1): (usize, usize),
     (kvh, group, n_head, head_dim): (usize, usize, usize, usize),
     pos0: usize,
     (p0, p1): (usize, usize),
-    scale: f32,
+    layout: AttnLayout,
     o: &mut [f32],
 ) {
     let n_q = (t1 - t0) * group;
@@ -357,12 +445,12 @@ fn attend_block<T: AsF32Rows>(
         scores.resize(group * ATTN_TILE, 0.0);
         for tile in (p0..p1).step_by(ATTN_TILE) {
             // Every query's tile ends at or before `tile_end` (`p1` is the block's
-            // causal limit, and segments are whole tiles).
+            // causal limit, and segments are whole tiles). A tile's rows are
+            // contiguous: the ring's length is a multiple of the tile's.
             let tile_end = (tile + ATTN_TILE).min(p1);
-            let (ks, vs) = (
-                &ks[tile * head_dim..tile_end * head_dim],
-                &vs[tile * head_dim..tile_end * head_dim],
-            );
+            let row0 = (tile % layout.rows) * head_dim;
+            let n_rows = (tile_end - tile) * head_dim;
+            let (ks, vs) = (&ks[row0..row0 + n_rows], &vs[row0..row0 + n_rows]);
             // A block of several tokens widens an f16 tile once for all of them; a
             // single token's heads read it directly (the same bits either way).
             let widened = (t1 - t0 > 1).then(|| {
@@ -373,22 +461,41 @@ fn attend_block<T: AsF32Rows>(
             });
             for t in t0..t1 {
                 let limit = pos0 + t + 1;
-                if tile >= limit {
+                let first = layout.first_seen(pos0 + t).max(tile);
+                let last = (tile + ATTN_TILE).min(limit);
+                if first >= last {
                     continue;
                 }
-                let len = ((tile + ATTN_TILE).min(limit) - tile) * head_dim;
+                let seen = (first - tile) * head_dim..(last - tile) * head_dim;
                 // The group's heads are adjacent in `q` and in the block's outputs.
                 let qi = (t - t0) * group;
                 let qv = &q[(t * n_head + kvh * group) * head_dim..][..group * head_dim];
                 let acc = &mut acc_all[qi * head_dim..(qi + group) * head_dim];
                 let run = &mut running[qi..qi + group];
+                let scale = layout.scale;
                 // A single token reads the tile once, from memory: the kernel
                 // then requests the next tile's rows as it goes.
                 match widened {
-                    Some((kt, vt)) => {
-                        attn_group(qv, &kt[..len], &vt[..len], scale, run, acc, scores, false)
-                    }
-                    None => attn_group(qv, &ks[..len], &vs[..len], scale, run, acc, scores, true),
+                    Some((kt, vt)) => attn_group(
+                        qv,
+                        &kt[seen.clone()],
+                        &vt[seen],
+                        scale,
+                        run,
+                        acc,
+                        scores,
+                        false,
+                    ),
+                    None => attn_group(
+                        qv,
+                        &ks[seen.clone()],
+                        &vs[seen],
+                        scale,
+                        run,
+                        acc,
+                        scores,
+                        true,
+                    ),
                 }
             }
         }
@@ -435,6 +542,26 @@ mod tests {
         let r1 = (4.0 / 4.0f64 + 1e-6).sqrt();
         assert!((f64::from(out[7]) - 2.0 / r1).abs() < 1e-6);
         assert_eq!(out[4], 0.0);
+    }
+
+    #[test]
+    fn geglu_is_the_tanh_gelu_times_up() {
+        let xs: Vec<f32> = (-400..=400)
+            .map(|i| i as f32 * 0.05)
+            .chain([-90.0, 90.0])
+            .collect();
+        let mut g = xs.clone();
+        let up: Vec<f32> = xs.iter().map(|x| 1.0 + 0.25 * x.sin()).collect();
+        geglu(&mut g, &up);
+        for ((&x, &got), &u) in xs.iter().zip(&g).zip(&up) {
+            let xd = f64::from(x);
+            let t = ((2.0 / std::f64::consts::PI).sqrt() * (xd + 0.044715 * xd.powi(3))).tanh();
+            let want = 0.5 * xd * (1.0 + t) * f64::from(u);
+            assert!(
+                (f64::from(got) - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                "x {x}: {got} vs {want}"
+            );
+        }
     }
 
     #[test]
@@ -507,7 +634,18 @@ mod tests {
         let q = [1.0f32, 0.0, 0.0, 2.0, 1.0, 1.0, 0.0, 0.0];
         let mut out = vec![0f32; 8];
         let pool = ThreadPool::new(2);
-        attention(&pool, &q, &k, &v, n_ctx, 2, 1, hd, 1, &mut out);
+        attention(
+            &pool,
+            &q,
+            &k,
+            &v,
+            AttnLayout::dense(n_ctx, hd),
+            2,
+            1,
+            hd,
+            1,
+            &mut out,
+        );
         let s = 1.0 / 2f64.sqrt();
         let expect = |scores: &[f64]| {
             let m = scores.iter().cloned().fold(f64::MIN, f64::max);
@@ -547,7 +685,18 @@ mod tests {
         for threads in [1, 2] {
             let pool = ThreadPool::new(threads);
             let mut batch = vec![0f32; q.len()];
-            attention(&pool, &q, &k, &v, n_ctx, n_head, n_kv, hd, pos0, &mut batch);
+            attention(
+                &pool,
+                &q,
+                &k,
+                &v,
+                AttnLayout::dense(n_ctx, hd),
+                n_head,
+                n_kv,
+                hd,
+                pos0,
+                &mut batch,
+            );
             let row = n_head * hd;
             for t in 0..n_tok {
                 let mut one = vec![0f32; row];
@@ -557,7 +706,7 @@ mod tests {
                     qt,
                     &k,
                     &v,
-                    n_ctx,
+                    AttnLayout::dense(n_ctx, hd),
                     n_head,
                     n_kv,
                     hd,
@@ -624,12 +773,34 @@ mod tests {
                 let q: Vec<f32> = (0..n_tok * n_head * hd).map(|_| rnd()).collect();
                 let mut out = vec![0f32; q.len()];
                 let reps = 400 / n_tok.min(20);
-                attention(&pool, &q, &k, &v, n_ctx, n_head, n_kv, hd, pos0, &mut out);
+                attention(
+                    &pool,
+                    &q,
+                    &k,
+                    &v,
+                    AttnLayout::dense(n_ctx, hd),
+                    n_head,
+                    n_kv,
+                    hd,
+                    pos0,
+                    &mut out,
+                );
                 // The fastest repetition: the least disturbed by other work.
                 let per = (0..reps)
                     .map(|_| {
                         let t = std::time::Instant::now();
-                        attention(&pool, &q, &k, &v, n_ctx, n_head, n_kv, hd, pos0, &mut out);
+                        attention(
+                            &pool,
+                            &q,
+                            &k,
+                            &v,
+                            AttnLayout::dense(n_ctx, hd),
+                            n_head,
+                            n_kv,
+                            hd,
+                            pos0,
+                            &mut out,
+                        );
                         t.elapsed().as_secs_f64()
                     })
                     .fold(f64::INFINITY, f64::min);

@@ -1,6 +1,7 @@
 //! A session: one conversation's state on one model — the exact token ids, the
-//! per-layer K/V state and the next-token logits — advanced by chunked prefill and
-//! single-token decode steps.
+//! family's per-sequence state and the next-token logits — advanced by chunked
+//! prefill and single-token decode steps, cut back, snapshotted and written as a
+//! payload. It knows no family.
 
 use std::io::{Read, Write};
 use std::sync::Arc;
@@ -9,10 +10,11 @@ use ds4_kernels::pool::ThreadPool;
 
 use crate::error::{EngineError, Result};
 use crate::model::Model;
-use crate::models::llama::{self, LlamaState, LogitsOut, Scratch};
-use crate::ops::{Precision, Rope};
-use crate::payload::{self, PayloadHeader};
+use crate::models::{LogitsOut, Scratch, SeqStep};
+use crate::ops::Precision;
+use crate::payload::{self, PayloadHeader, PAYLOAD_VERSION};
 use crate::rope::RopeScaling;
+use crate::state::SeqState;
 
 /// How K and V rows are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -112,14 +114,17 @@ impl Default for SessionOptions {
     }
 }
 
+/// One conversation's state on one model: the exact token ids, the family's
+/// per-sequence state ([`SeqState`]) and the next-token logits. It knows no
+/// family: the model's family creates the state and runs the forward pass.
 pub struct Session {
     model: Arc<Model>,
     pool: Arc<ThreadPool>,
     opts: SessionOptions,
     precision: Precision,
-    /// RoPE tables under the scaling resolved for this session's context.
-    rope: Rope,
-    state: LlamaState,
+    /// The RoPE scaling resolved for this session's context.
+    scaling: RopeScaling,
+    state: Box<dyn SeqState>,
     scratch: Scratch,
     tokens: Vec<u32>,
     logits: Vec<f32>,
@@ -163,11 +168,12 @@ impl Session {
     ) -> Self {
         let hp = &model.hparams;
         let n_ctx = opts.n_ctx.max(1);
+        let chunk = opts.prefill_chunk.clamp(1, n_ctx);
         Session {
-            rope: Rope::scaled(hp.rope_base, hp.n_rot, scaling),
+            scaling,
             chunk_logits: Vec::new(),
-            state: LlamaState::new(hp, n_ctx, opts.kv_type),
-            scratch: Scratch::new(hp, opts.prefill_chunk.clamp(1, n_ctx)),
+            state: model.family.new_state(hp, n_ctx, chunk, opts.kv_type),
+            scratch: model.family.new_scratch(hp, chunk),
             logits: vec![0.0; hp.n_vocab],
             has_logits: false,
             tokens: Vec::with_capacity(n_ctx),
@@ -193,12 +199,21 @@ impl Session {
     }
 
     pub fn n_ctx(&self) -> usize {
-        self.state.n_ctx
+        self.state.n_ctx()
     }
 
     /// How this session stores K and V.
     pub fn kv_type(&self) -> KvType {
         self.state.kv_type()
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// Memory the per-sequence state holds (K/V rows), in bytes.
+    pub fn state_memory_bytes(&self) -> u64 {
+        self.state.memory_bytes()
     }
 
     /// The model fingerprint this session's checkpoints are filed under: the
@@ -212,12 +227,12 @@ impl Session {
     /// scaling existed.
     pub fn state_fingerprint(&self) -> [u8; 16] {
         let fp = self.kv_type().state_fingerprint(&self.model.fingerprint);
-        self.rope.scaling().fold_fingerprint(fp)
+        self.scaling.fold_fingerprint(fp)
     }
 
     /// The RoPE scaling this session runs with.
     pub fn rope_scaling(&self) -> RopeScaling {
-        self.rope.scaling()
+        self.scaling
     }
 
     /// The exact token ids the state represents.
@@ -263,7 +278,7 @@ impl Session {
     ) -> Result<usize> {
         self.check_prefill(tokens)?;
         let mut done = 0;
-        for chunk in tokens.chunks(self.scratch.max_batch) {
+        for chunk in tokens.chunks(self.scratch.max_rows()) {
             self.run_chunk(chunk, false);
             done += chunk.len();
             if !keep_going(done, tokens.len()) {
@@ -273,7 +288,7 @@ impl Session {
         Ok(done)
     }
 
-    fn check_prefill(&self, tokens: &[u32]) -> Result<()> {
+    pub(crate) fn check_prefill(&self, tokens: &[u32]) -> Result<()> {
         let n_vocab = self.model.hparams.n_vocab;
         if let Some(&id) = tokens.iter().find(|&&id| id as usize >= n_vocab) {
             return Err(EngineError::TokenOutOfRange { id, n_vocab });
@@ -300,7 +315,7 @@ impl Session {
         self.check_prefill(tokens)?;
         let n_vocab = self.model.hparams.n_vocab;
         let mut done = 0;
-        for chunk in tokens.chunks(self.scratch.max_batch) {
+        for chunk in tokens.chunks(self.scratch.max_rows()) {
             self.run_chunk(chunk, true);
             let rows = &self.chunk_logits;
             for (i, row) in rows.chunks_exact(n_vocab).enumerate() {
@@ -317,26 +332,45 @@ impl Session {
     /// the last token's logits into `logits`, or with `all_logits` every
     /// token's into `chunk_logits`.
     fn run_chunk(&mut self, chunk: &[u32], all_logits: bool) {
-        let out = if all_logits {
+        let logits = if all_logits {
             self.chunk_logits
                 .resize(chunk.len() * self.model.hparams.n_vocab, 0.0);
             LogitsOut::All(&mut self.chunk_logits)
         } else {
             LogitsOut::Last(&mut self.logits)
         };
-        llama::forward(
+        let mut seqs = [SeqStep {
+            state: &mut *self.state,
+            tokens: chunk,
+            scaling: self.scaling,
+            logits,
+        }];
+        self.model.family.forward(
             &self.model,
-            &self.rope,
-            &mut self.state,
-            &mut self.scratch,
             &self.pool,
             self.precision,
-            chunk,
-            self.tokens.len(),
-            out,
+            &mut self.scratch,
+            &mut seqs,
         );
         self.tokens.extend_from_slice(chunk);
         self.has_logits = true;
+    }
+
+    /// What a batched forward call needs of this session: its state, its RoPE
+    /// scaling and where its logits go.
+    pub(crate) fn step_parts(&mut self) -> (&mut dyn SeqState, RopeScaling, &mut [f32]) {
+        (&mut *self.state, self.scaling, &mut self.logits)
+    }
+
+    /// Records tokens a batched forward call appended to this session's state.
+    pub(crate) fn appended(&mut self, tokens: &[u32]) {
+        self.tokens.extend_from_slice(tokens);
+        self.has_logits = true;
+    }
+
+    /// Most tokens one forward call may append (the prefill chunk).
+    pub fn max_step(&self) -> usize {
+        self.state.max_step()
     }
 
     /// Feeds one token (sampled or forced) and computes the next logits.
@@ -347,13 +381,25 @@ impl Session {
     /// Forgets everything: the next prefill starts at position 0.
     pub fn reset(&mut self) {
         self.tokens.clear();
+        self.state.reset();
         self.has_logits = false;
     }
 
+    /// Whether [`rewind`](Self::rewind) to `n` tokens can work from the state in
+    /// memory. It always can for dense K/V; a sliding-window ring only while it
+    /// still holds the window before token `n - 1`.
+    pub fn can_rewind(&self, n: usize) -> bool {
+        let len = self.tokens.len();
+        n <= len && (n == 0 || n == len || self.state.can_cut_to(n - 1))
+    }
+
     /// Cuts the session back to its first `n` tokens, with the logits that follow
-    /// them. The llama layout keeps K/V per position, so this costs one decode step
-    /// (the last kept token is run again to recover its logits) and gives exactly
-    /// the state an uninterrupted session of those `n` tokens has.
+    /// them: the state is cut back to `n - 1` tokens and token `n - 1` runs
+    /// again (one decode step), which gives exactly the state an uninterrupted
+    /// session of those `n` tokens has. Where the state cannot be cut back
+    /// ([`can_rewind`](Self::can_rewind) is false) it fails with
+    /// [`EngineError::CannotCutBack`] and leaves the session as it was; the caller
+    /// restores a snapshot or prefills again.
     pub fn rewind(&mut self, n: usize) -> Result<()> {
         let len = self.tokens.len();
         if n > len {
@@ -366,47 +412,75 @@ impl Session {
             self.reset();
             return Ok(());
         }
+        if !self.state.can_cut_to(n - 1) {
+            return Err(EngineError::CannotCutBack { to: n, len });
+        }
         let last = self.tokens[n - 1];
         self.tokens.truncate(n - 1);
+        self.state.cut_to(n - 1);
         self.decode_step(last)
     }
 
     /// Exact size of [`save_payload`](Self::save_payload)'s output.
     pub fn payload_bytes(&self) -> u64 {
-        self.payload_header().payload_bytes()
+        let t = self.tokens.len() as u64;
+        PayloadHeader::BYTES
+            + 4 * t
+            + 4 * self.model.hparams.n_vocab as u64
+            + self.state.payload_bytes()
     }
 
-    fn payload_header(&self) -> PayloadHeader {
-        PayloadHeader::for_model(
-            &self.model.hparams,
-            self.n_ctx(),
-            self.tokens.len(),
-            self.kv_type(),
-        )
-    }
-
-    /// Writes the session (tokens, next-token logits, K/V of every position) as a
+    /// Writes the session (tokens, next-token logits, the family's state) as a
     /// payload; `w` should be buffered.
     pub fn save_payload(&self, w: &mut impl Write) -> Result<()> {
         if !self.has_logits {
             return Err(EngineError::NoLogits);
         }
-        self.payload_header().write(w)?;
+        let header = PayloadHeader {
+            version: PAYLOAD_VERSION,
+            family: self.model.family.entry().payload_id,
+            n_vocab: self.model.hparams.n_vocab as u32,
+            n_ctx: self.n_ctx() as u32,
+            n_tokens: self.tokens.len() as u32,
+            v1: None,
+        };
+        header.write(w)?;
         payload::write_u32s(w, &self.tokens)?;
         payload::write_f32s(w, &self.logits)?;
-        self.state
-            .write_rows(&self.model.hparams, self.tokens.len(), w)?;
+        self.state.write(w)?;
         w.flush().map_err(EngineError::PayloadIo)
     }
 
     /// Replaces the session with a payload written by [`save_payload`](Self::save_payload)
-    /// for a model of the same family and shape and with the same K/V type
-    /// ([`EngineError::KvTypeMismatch`] otherwise). The payload must fit this
-    /// session's context and must end where its header says. On error the session
-    /// is left empty, never half-loaded.
+    /// (or a version-1 payload of a dense llama state) for a model of the same
+    /// family and shape and with the same K/V type ([`EngineError::KvTypeMismatch`]
+    /// otherwise). The payload must fit this session's context and must end where
+    /// its header says. On error the session is left empty, never half-loaded.
     pub fn load_payload(&mut self, r: &mut impl Read) -> Result<()> {
         self.reset();
-        let h = PayloadHeader::read(r, &self.model.hparams, self.kv_type())?;
+        let result = self.load_inner(r);
+        if result.is_err() {
+            self.reset();
+        }
+        result
+    }
+
+    fn load_inner(&mut self, r: &mut impl Read) -> Result<()> {
+        let h = PayloadHeader::read(r)?;
+        let entry = self.model.family.entry();
+        let hp = &self.model.hparams;
+        if h.family != entry.payload_id {
+            return Err(payload::bad(format!(
+                "family {} in the payload; this model is {} ({})",
+                h.family, entry.name, entry.payload_id
+            )));
+        }
+        if h.n_vocab as usize != hp.n_vocab {
+            return Err(payload::bad(format!(
+                "a vocabulary of {} in the payload differs from the model's {}",
+                h.n_vocab, hp.n_vocab
+            )));
+        }
         let n = h.n_tokens as usize;
         if n == 0 || n > self.n_ctx() {
             return Err(payload::bad(format!(
@@ -414,31 +488,44 @@ impl Session {
                 self.n_ctx()
             )));
         }
-        self.tokens.resize(n, 0);
-        let loaded = payload::read_u32s(r, &mut self.tokens, "tokens")
-            .and_then(|()| payload::read_f32s(r, &mut self.logits, "logits"))
-            .and_then(|()| self.state.read_rows(&self.model.hparams, n, r))
-            .and_then(|()| payload::expect_end(r));
-        let n_vocab = self.model.hparams.n_vocab;
-        let bad_token = self
-            .tokens
-            .iter()
-            .find(|&&t| t as usize >= n_vocab)
-            .copied();
-        match (loaded, bad_token) {
-            (Ok(()), None) => {
-                self.has_logits = true;
-                Ok(())
+        if let Some(v1) = h.v1 {
+            let mine = [hp.n_layer, hp.n_head_kv, hp.head_dim].map(|x| x as u32);
+            if [v1.n_layer, v1.n_head_kv, v1.head_dim] != mine {
+                return Err(payload::bad(format!(
+                    "shape (layers {}, kv heads {}, head dim {}) differs from the model's ({}, {}, {})",
+                    v1.n_layer, v1.n_head_kv, v1.head_dim, mine[0], mine[1], mine[2]
+                )));
             }
-            (Err(e), _) => {
-                self.reset();
-                Err(e)
-            }
-            (Ok(()), Some(id)) => {
-                self.reset();
-                Err(EngineError::TokenOutOfRange { id, n_vocab })
+            match KvType::from_code(v1.kv_type) {
+                Some(t) if t == self.kv_type() => {}
+                Some(t) => {
+                    return Err(EngineError::KvTypeMismatch {
+                        payload: t,
+                        session: self.kv_type(),
+                    })
+                }
+                None => {
+                    return Err(payload::bad(format!(
+                        "K/V element type {} (this build stores f32 = 0, f16 = 1)",
+                        v1.kv_type
+                    )))
+                }
             }
         }
+        self.tokens.resize(n, 0);
+        payload::read_u32s(r, &mut self.tokens, "tokens")?;
+        payload::read_f32s(r, &mut self.logits, "logits")?;
+        match h.v1 {
+            Some(_) => self.state.read_v1(n, r)?,
+            None => self.state.read(n, r)?,
+        }
+        payload::expect_end(r)?;
+        let n_vocab = hp.n_vocab;
+        if let Some(&id) = self.tokens.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(EngineError::TokenOutOfRange { id, n_vocab });
+        }
+        self.has_logits = true;
+        Ok(())
     }
 
     /// An in-memory copy of the whole state, for [`restore`](Self::restore).

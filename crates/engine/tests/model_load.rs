@@ -251,7 +251,7 @@ fn hyper_parameter_errors_name_the_key() {
     });
     assert_eq!(
         e,
-        "unsupported architecture \"mamba\" (this build runs: llama)"
+        "unsupported architecture \"mamba\" (this build runs: llama, gemma3)"
     );
     let e = broken(|m, _| {
         m.iter_mut()

@@ -1,48 +1,32 @@
-//! Session state as an asset, on the real default model: a payload written and read
-//! back, a snapshot restored, or a rewind must give bitwise the next-token logits and
-//! the greedy continuation of the uninterrupted session. Damaged payloads are
-//! rejected whole and leave the session empty.
+//! Session state as an asset, for every family on its real model: a payload
+//! written and read back, a snapshot restored, or a rewind must give bitwise the
+//! next-token logits and the greedy continuation of the uninterrupted session.
+//! Where a sliding-window ring can no longer be cut back, the session says so and
+//! a cold run is the answer, never wrong logits. Damaged payloads are rejected
+//! whole and leave the session empty; payloads of the first format still load.
 
-use std::sync::{Arc, OnceLock};
+mod families;
+
+use std::sync::Arc;
 
 use ds4_engine::sampler::argmax;
-use ds4_engine::{EngineError, KvType, Model, Precision, Session, SessionOptions, ThreadPool};
+use ds4_engine::{EngineError, KvType, Precision, Session, SessionOptions, ThreadPool};
+use families::Family;
 
 const CHUNK: usize = 64;
 
-fn model() -> Arc<Model> {
-    static MODEL: OnceLock<Arc<Model>> = OnceLock::new();
-    Arc::clone(MODEL.get_or_init(|| {
-        Arc::new(
-            Model::load(ds4_testdata::model_path(ds4_testdata::SMOLLM2)).expect("loading SmolLM2"),
-        )
-    }))
+fn session(f: &Family, n_ctx: usize, precision: Precision) -> Session {
+    session_kv(f, n_ctx, precision, KvType::F32)
 }
 
-/// A long real prompt (the 2024-token story of the golden vectors).
-fn prompt() -> Vec<u32> {
-    let path = ds4_testdata::vectors_dir("llama-cpp/smollm2_long_carrow_point.json");
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
-    v["prompt_token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn session(n_ctx: usize, precision: Precision) -> Session {
-    session_kv(n_ctx, precision, KvType::F32)
-}
-
-fn session_kv(n_ctx: usize, precision: Precision, kv_type: KvType) -> Session {
+fn session_kv(f: &Family, n_ctx: usize, precision: Precision, kv_type: KvType) -> Session {
     let opts = SessionOptions {
         n_ctx,
         prefill_chunk: CHUNK,
         precision,
         kv_type,
     };
-    Session::new(model(), Arc::new(ThreadPool::new(2)), &opts)
+    Session::new(families::model(f), Arc::new(ThreadPool::new(2)), &opts)
 }
 
 fn bits(s: &Session) -> Vec<u32> {
@@ -60,9 +44,15 @@ fn greedy(s: &mut Session, n: usize) -> Vec<u32> {
         .collect()
 }
 
-#[test]
-fn payload_round_trip_is_bitwise_at_several_lengths() {
-    let p = prompt();
+/// A second session in the same state, through the public payload API.
+fn clone_of(f: &Family, s: &Session) -> Session {
+    let mut c = session_kv(f, s.n_ctx(), s.precision(), s.kv_type());
+    c.restore(&s.snapshot().unwrap()).unwrap();
+    c
+}
+
+fn payload_round_trip_is_bitwise_at_several_lengths(f: &Family) {
+    let p = families::long_prompt(f);
     for (len, precision) in [
         (1, Precision::Fast),
         (CHUNK - 1, Precision::Fast),
@@ -70,8 +60,10 @@ fn payload_round_trip_is_bitwise_at_several_lengths() {
         (CHUNK + 1, Precision::Q8),
         (3 * CHUNK + 17, Precision::Fast),
         (100, Precision::Exact),
+        // Past a 512-token window: the ring has wrapped.
+        (700, Precision::Fast),
     ] {
-        let mut a = session(512, precision);
+        let mut a = session(f, 1024, precision);
         a.prefill(&p[..len]).unwrap();
         let mut bytes = Vec::new();
         a.save_payload(&mut bytes).unwrap();
@@ -81,7 +73,7 @@ fn payload_round_trip_is_bitwise_at_several_lengths() {
             "len {len}: size estimate"
         );
 
-        let mut b = session(512, precision);
+        let mut b = session(f, 1024, precision);
         b.prefill(&p[300..310]).unwrap(); // stale state that the load must replace
         b.load_payload(&mut bytes.as_slice()).unwrap();
         assert_eq!(b.tokens(), a.tokens(), "len {len}");
@@ -98,20 +90,37 @@ fn payload_round_trip_is_bitwise_at_several_lengths() {
             bits(&b) == bits(&a),
             "len {len}: logits differ after continuing"
         );
+        // A session with another prefill chunk (so another ring length) takes
+        // the payload too and continues the same way.
+        let opts = SessionOptions {
+            n_ctx: 1024,
+            prefill_chunk: 16,
+            precision,
+            kv_type: KvType::F32,
+        };
+        let mut c = Session::new(families::model(f), Arc::new(ThreadPool::new(1)), &opts);
+        c.load_payload(&mut bytes.as_slice()).unwrap();
+        let mut a2 = session(f, 1024, precision);
+        a2.load_payload(&mut bytes.as_slice()).unwrap();
+        assert_eq!(
+            greedy(&mut c, 4),
+            greedy(&mut a2, 4),
+            "len {len}: other chunk"
+        );
+        assert!(bits(&c) == bits(&a2), "len {len}: other chunk");
     }
 }
 
-#[test]
-fn payload_loads_into_a_larger_context_only() {
-    let p = prompt();
-    let mut a = session(256, Precision::Fast);
+fn payload_loads_into_a_larger_context_only(f: &Family) {
+    let p = families::long_prompt(f);
+    let mut a = session(f, 256, Precision::Fast);
     a.prefill(&p[..200]).unwrap();
     let mut bytes = Vec::new();
     a.save_payload(&mut bytes).unwrap();
-    let mut big = session(1024, Precision::Fast);
+    let mut big = session(f, 1024, Precision::Fast);
     big.load_payload(&mut bytes.as_slice()).unwrap();
     assert!(bits(&big) == bits(&a));
-    let mut small = session(128, Precision::Fast);
+    let mut small = session(f, 128, Precision::Fast);
     let e = small.load_payload(&mut bytes.as_slice()).unwrap_err();
     assert!(
         e.to_string()
@@ -121,14 +130,13 @@ fn payload_loads_into_a_larger_context_only() {
     assert!(small.tokens().is_empty());
 }
 
-#[test]
-fn snapshot_restore_and_rewind_are_exact() {
-    let p = prompt();
-    let mut s = session(1024, Precision::Fast);
+fn snapshot_restore_and_rewind_are_exact(f: &Family) {
+    let p = families::long_prompt(f);
+    let mut s = session(f, 1024, Precision::Fast);
     s.prefill(&p[..150]).unwrap();
     let snap = s.snapshot().unwrap();
     let at_150 = bits(&s);
-    let cont_150 = greedy(&mut s.clone_for_test(), 5);
+    let cont_150 = greedy(&mut clone_of(f, &s), 5);
     s.prefill(&p[150..400]).unwrap();
     s.restore(&snap).unwrap();
     assert!(bits(&s) == at_150, "restore");
@@ -136,16 +144,16 @@ fn snapshot_restore_and_rewind_are_exact() {
 
     // Rewind into the middle of a prefill chunk and to a chunk boundary.
     for n in [97, CHUNK * 2, 1] {
-        let mut long = session(1024, Precision::Fast);
+        let mut long = session(f, 1024, Precision::Fast);
         long.prefill(&p[..300]).unwrap();
         long.rewind(n).unwrap();
-        let mut fresh = session(1024, Precision::Fast);
+        let mut fresh = session(f, 1024, Precision::Fast);
         fresh.prefill(&p[..n]).unwrap();
         assert_eq!(long.tokens(), fresh.tokens());
         assert!(bits(&long) == bits(&fresh), "rewind to {n}");
         assert_eq!(greedy(&mut long, 4), greedy(&mut fresh, 4), "rewind to {n}");
     }
-    let mut r = session(64, Precision::Fast);
+    let mut r = session(f, 64, Precision::Fast);
     r.prefill(&p[..10]).unwrap();
     assert!(matches!(
         r.rewind(11),
@@ -155,16 +163,49 @@ fn snapshot_restore_and_rewind_are_exact() {
     assert!(r.tokens().is_empty());
 }
 
-#[test]
-fn damaged_payloads_are_rejected_and_leave_the_session_empty() {
-    let p = prompt();
-    let mut a = session(256, Precision::Fast);
+/// Past a sliding window: a rewind the state still holds the rows for is
+/// exact; one further back is refused (the session unchanged), and the
+/// answer then is a cold run, whose logits the refused rewind never faked.
+/// Dense families rewind anywhere.
+fn rewind_past_the_window_is_exact_or_refused(f: &Family) {
+    let p = families::long_prompt(f);
+    let mut s = session(f, 1024, Precision::Fast);
+    s.prefill(&p[..900]).unwrap();
+    let at_900 = bits(&s);
+    // 20 back is inside the ring's slack (one prefill chunk); 600 back is not
+    // for a 512-token window.
+    for n in [880, 300] {
+        let mut fresh = session(f, 1024, Precision::Fast);
+        fresh.prefill(&p[..n]).unwrap();
+        let mut t = clone_of(f, &s);
+        if t.can_rewind(n) {
+            t.rewind(n).unwrap();
+            assert!(bits(&t) == bits(&fresh), "rewind to {n}");
+            assert_eq!(greedy(&mut t, 4), greedy(&mut fresh, 4), "rewind to {n}");
+        } else {
+            assert_eq!(f.name, "gemma3", "only a ring refuses");
+            let e = t.rewind(n).unwrap_err();
+            assert!(
+                matches!(e, EngineError::CannotCutBack { to, len: 900 } if to == n),
+                "{e}"
+            );
+            assert_eq!(t.tokens().len(), 900, "a refused rewind changes nothing");
+            assert!(bits(&t) == at_900);
+        }
+    }
+    assert!(s.can_rewind(880), "{}: within the slack", f.name);
+    assert_eq!(s.can_rewind(300), f.name != "gemma3", "{}", f.name);
+}
+
+fn damaged_payloads_are_rejected_and_leave_the_session_empty(f: &Family) {
+    let p = families::long_prompt(f);
+    let mut a = session(f, 256, Precision::Fast);
     a.prefill(&p[..40]).unwrap();
     let mut good = Vec::new();
     a.save_payload(&mut good).unwrap();
 
     let check = |bytes: &[u8], want: &str| {
-        let mut s = session(256, Precision::Fast);
+        let mut s = session(f, 256, Precision::Fast);
         s.prefill(&p[..5]).unwrap();
         let e = s.load_payload(&mut &bytes[..]).unwrap_err().to_string();
         assert!(e.contains(want), "expected {want:?} in {e:?}");
@@ -173,7 +214,20 @@ fn damaged_payloads_are_rejected_and_leave_the_session_empty() {
             "{want}: session not emptied"
         );
     };
-    for cut in [0, 3, 20, 44, 44 + 4 * 40, good.len() / 2, good.len() - 1] {
+    // Header (28 bytes), tokens, logits, then the state's descriptor.
+    let n_vocab = families::model(f).hparams.n_vocab;
+    let state = 28 + 4 * 40 + 4 * n_vocab;
+    for cut in [
+        0,
+        3,
+        20,
+        28,
+        28 + 4 * 40,
+        state + 2,
+        state + 20,
+        good.len() / 2,
+        good.len() - 1,
+    ] {
         check(&good[..cut], "truncated");
     }
     let mut trailing = good.clone();
@@ -185,47 +239,67 @@ fn damaged_payloads_are_rejected_and_leave_the_session_empty() {
     let mut version = good.clone();
     version[4] = 9;
     check(&version, "version 9");
-    let mut shape = good.clone();
-    shape[12] ^= 1; // n_layer
-    check(&shape, "differs from the model");
+    let mut family = good.clone();
+    family[8] ^= 3;
+    check(&family, "in the payload; this model is");
+    let mut vocab = good.clone();
+    vocab[12] ^= 1;
+    check(&vocab, "vocabulary");
     let mut token = good.clone();
-    token[44..48].copy_from_slice(&u32::MAX.to_le_bytes());
+    token[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
     check(&token, "outside the vocabulary");
+    let mut kind = good.clone();
+    kind[state] ^= 2;
+    check(&kind, "state kind");
+    let mut layers = good.clone();
+    layers[state + 8] ^= 1;
+    check(&layers, "layers");
+    let mut head_dim = good.clone();
+    head_dim[state + 12 + 4] ^= 1;
+    check(&head_dim, "in the payload");
+    let mut first = good.clone();
+    first[state + 12 + 12] = 30; // layer 0 claims to hold positions from 30 of 40
+    let e = {
+        let mut s = session(f, 256, Precision::Fast);
+        s.load_payload(&mut first.as_slice())
+    };
+    // A dense layer must hold every position; a window of 512 every one of 40.
+    assert!(e.is_err(), "a payload missing rows loaded");
 }
 
 /// f16 K/V: payloads are half the K/V bytes, round-trip bitwise, chunked prefill
 /// equals token-by-token decoding; a payload of the other K/V type is refused with
 /// the typed error and leaves the session empty.
-#[test]
-fn f16_payloads_round_trip_and_do_not_load_into_f32_sessions() {
-    let p = prompt();
-    let mut h = session_kv(512, Precision::Fast, KvType::F16);
-    h.prefill(&p[..3 * CHUNK + 5]).unwrap();
+fn f16_payloads_round_trip_and_do_not_load_into_f32_sessions(f: &Family) {
+    let p = families::long_prompt(f);
+    let model = families::model(f);
+    let t = 3 * CHUNK + 5;
+    let mut h = session_kv(f, 512, Precision::Fast, KvType::F16);
+    h.prefill(&p[..t]).unwrap();
     let mut hb = Vec::new();
     h.save_payload(&mut hb).unwrap();
     assert_eq!(hb.len() as u64, h.payload_bytes());
-    let mut f = session(512, Precision::Fast);
-    f.prefill(&p[..3 * CHUNK + 5]).unwrap();
+    let mut fs = session(f, 512, Precision::Fast);
+    fs.prefill(&p[..t]).unwrap();
     let mut fb = Vec::new();
-    f.save_payload(&mut fb).unwrap();
-    let hp = &model().hparams;
-    let (l, kvh, hd, vocab) = (hp.n_layer, hp.n_head_kv, hp.head_dim, hp.n_vocab);
-    let [l, kvh, hd, vocab] = [l, kvh, hd, vocab].map(|x| x as u64);
-    let t = 3 * CHUNK as u64 + 5;
-    let fixed = 44 + 4 * t + 4 * vocab;
+    fs.save_payload(&mut fb).unwrap();
+    let hp = &model.hparams;
+    let [l, kvh, hd, vocab, t] =
+        [hp.n_layer, hp.n_head_kv, hp.head_dim, hp.n_vocab, t].map(|x| x as u64);
+    let fixed = 28 + 4 * t + 4 * vocab + 4 * (3 + 4 * l);
     assert_eq!(fb.len() as u64 - fixed, 4 * 2 * l * kvh * t * hd);
     assert_eq!(hb.len() as u64 - fixed, 2 * 2 * l * kvh * t * hd);
-    assert_ne!(h.state_fingerprint(), f.state_fingerprint());
-    assert_eq!(f.state_fingerprint(), model().fingerprint.model);
+    assert_ne!(h.state_fingerprint(), fs.state_fingerprint());
+    assert_eq!(fs.state_fingerprint(), model.fingerprint.model);
 
     // Round trip, then the continuation is the uninterrupted one.
-    let mut h2 = session_kv(512, Precision::Fast, KvType::F16);
+    let mut h2 = session_kv(f, 512, Precision::Fast, KvType::F16);
     h2.load_payload(&mut hb.as_slice()).unwrap();
     assert!(bits(&h2) == bits(&h));
     // Token by token from the same prefix gives the same bits as chunked prefill.
-    let mut tbt = session_kv(512, Precision::Fast, KvType::F16);
-    for &t in &p[..3 * CHUNK + 5] {
-        tbt.decode_step(t).unwrap();
+    let mut tbt = session_kv(f, 512, Precision::Fast, KvType::F16);
+    for &id in &p[..t as usize] {
+        tbt.decode_step(id).unwrap();
     }
     assert!(bits(&tbt) == bits(&h), "f16: chunked != token by token");
     assert_eq!(greedy(&mut h2, 5), greedy(&mut h, 5));
@@ -234,7 +308,7 @@ fn f16_payloads_round_trip_and_do_not_load_into_f32_sessions() {
         (&hb, KvType::F32, (KvType::F16, KvType::F32)),
         (&fb, KvType::F16, (KvType::F32, KvType::F16)),
     ] {
-        let mut s = session_kv(512, Precision::Fast, into);
+        let mut s = session_kv(f, 512, Precision::Fast, into);
         s.prefill(&p[..5]).unwrap();
         let e = s.load_payload(&mut bytes.as_slice()).unwrap_err();
         assert!(
@@ -246,15 +320,55 @@ fn f16_payloads_round_trip_and_do_not_load_into_f32_sessions() {
     }
 }
 
-/// A second session in the same state, built through the public payload API.
-trait CloneForTest {
-    fn clone_for_test(&self) -> Session;
+for_each_family!(
+    payload_round_trip_is_bitwise_at_several_lengths,
+    payload_loads_into_a_larger_context_only,
+    snapshot_restore_and_rewind_are_exact,
+    rewind_past_the_window_is_exact_or_refused,
+    damaged_payloads_are_rejected_and_leave_the_session_empty,
+    f16_payloads_round_trip_and_do_not_load_into_f32_sessions,
+);
+
+/// A payload of one family does not load into a session of the other.
+#[test]
+fn payloads_do_not_cross_families() {
+    let (a, b) = (&families::SMOLLM2, &families::GEMMA3);
+    for (from, into) in [(a, b), (b, a)] {
+        let p = families::long_prompt(from);
+        let mut s = session(from, 256, Precision::Fast);
+        s.prefill(&p[..20]).unwrap();
+        let mut bytes = Vec::new();
+        s.save_payload(&mut bytes).unwrap();
+        let mut t = session(into, 256, Precision::Fast);
+        let e = t
+            .load_payload(&mut bytes.as_slice())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("in the payload; this model is"), "{e}");
+        assert!(t.tokens().is_empty());
+    }
 }
 
-impl CloneForTest for Session {
-    fn clone_for_test(&self) -> Session {
-        let mut s = session(self.n_ctx(), Precision::Fast);
-        s.restore(&self.snapshot().unwrap()).unwrap();
-        s
-    }
+/// A version-1 payload (written before payloads described their state: SmolLM2,
+/// f16 K/V, "The capital of France is", prefill chunk 16) still loads, and
+/// gives bitwise the logits and continuation of a fresh run.
+#[test]
+fn version_1_payloads_still_load() {
+    let f = &families::SMOLLM2;
+    let bytes = std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/smollm2-v1-f16.payload"),
+    )
+    .unwrap();
+    assert_eq!(&bytes[4..8], &1u32.to_le_bytes(), "a version-1 payload");
+    let mut old = session_kv(f, 64, Precision::Fast, KvType::F16);
+    old.load_payload(&mut bytes.as_slice()).unwrap();
+    assert_eq!(old.tokens(), &[504, 3575, 282, 4649, 314]);
+    let mut fresh = session_kv(f, 64, Precision::Fast, KvType::F16);
+    fresh.prefill(old.tokens()).unwrap();
+    assert!(bits(&old) == bits(&fresh));
+    assert_eq!(greedy(&mut old, 5), greedy(&mut fresh, 5));
+    // Its K/V type is checked like a current payload's.
+    let mut f32s = session_kv(f, 64, Precision::Fast, KvType::F32);
+    let e = f32s.load_payload(&mut bytes.as_slice()).unwrap_err();
+    assert!(matches!(e, EngineError::KvTypeMismatch { .. }), "{e}");
 }

@@ -13,7 +13,7 @@ use crate::vec_dot;
 use crate::{dequantize_row, vec_dot_rows, QuantizedActivations, WeightFormat};
 
 /// A row-major weight matrix of `n_out` rows of `n_in` elements in one format:
-/// ggml's `[n_in, n_out]` tensor; for Q4_1 and Q8_0 also the copy laid out for
+/// ggml's `[n_in, n_out]` tensor; for Q4_1, Q8_0 and Q5_0 also the copy laid out for
 /// [`matmul_fast`] (see [`WeightMatrix::pack_f2`]).
 #[derive(Clone, Copy, Debug)]
 pub struct WeightMatrix<'a> {
@@ -37,14 +37,20 @@ impl<'a> WeightMatrix<'a> {
         })
     }
 
-    /// The layout [`matmul_fast`] runs a Q4_1 or Q8_0 matrix from (order F2,
-    /// [`F2Matrix`]): built once, at load, and attached by [`Self::with_f2`].
-    /// `None` for the other formats, which it runs from `data`.
+    /// The layout [`matmul_fast`] runs a Q4_1, Q8_0 or Q5_0 matrix from (order
+    /// F2, [`F2Matrix`]): built once, at load, and attached by [`Self::with_f2`].
+    /// A Q5_0 matrix is laid out as the Q8_0 blocks holding exactly its values
+    /// ([`crate::q5_0::to_q8_0`]), so it runs through the Q8_0 kernels. `None`
+    /// for the other formats, which it runs from `data`.
     pub fn pack_f2(&self) -> Option<F2Matrix> {
         let nb = self.n_in / crate::act16::QK_ACT16;
         match self.fmt {
             WeightFormat::Q4_1 => Some(F2Matrix::pack::<BlockQ4_1>(cast_rows(self, self.data), nb)),
             WeightFormat::Q8_0 => Some(F2Matrix::pack::<BlockQ8_0>(cast_rows(self, self.data), nb)),
+            WeightFormat::Q5_0 => {
+                let q8 = crate::q5_0::to_q8_0(cast_rows(self, self.data));
+                Some(F2Matrix::pack::<BlockQ8_0>(&q8, nb))
+            }
             _ => None,
         }
     }
@@ -265,7 +271,7 @@ fn dequant_fast(fmt: WeightFormat, row: &[u8], out: &mut [f32]) {
 
 /// `outs[i][t * n_out + r] = w_i.row(r) · x_t` for every matrix `ws[i]` (all taking
 /// rows of the same length) and every token `t` of `x`, in the fast path's fixed
-/// orders: Q4_1 and Q8_0 rows against the activations rounded to 16 bits (order
+/// orders: Q4_1, Q8_0 and Q5_0 rows against the activations rounded to 16 bits (order
 /// F2, [`crate::act16`]), every other format dequantized exactly and dotted in
 /// f32 with fused multiply-adds (order F1, [`crate::fast`]). Each (row, token)
 /// has one order however many tokens there are, so a batch gives bit for bit
@@ -342,18 +348,24 @@ pub fn matmul_fast(
 
 /// Whether [`matmul_fast`] runs `fmt` in order F2 (16-bit activations).
 fn uses_act16(fmt: WeightFormat) -> bool {
-    matches!(fmt, WeightFormat::Q4_1 | WeightFormat::Q8_0)
+    matches!(
+        fmt,
+        WeightFormat::Q4_1 | WeightFormat::Q8_0 | WeightFormat::Q5_0
+    )
 }
 
-/// Rows `rows` of a Q4_1 or Q8_0 `w` (with its F2 layout) against every token of
-/// `acts`.
+/// Rows `rows` of a Q4_1, Q8_0 or Q5_0 `w` (with its F2 layout: Q4_1 blocks,
+/// or Q8_0 blocks for the other two) against every token of `acts`.
 fn act16_rows(w: &WeightMatrix<'_>, acts: &Act16, rows: std::ops::Range<usize>, out: OutPtr) {
     let Some(f2) = w.f2.filter(|_| !rows.is_empty()) else {
         return;
     };
-    batched_rows(w, acts.rows(), rows.clone(), out, |local| match w.fmt {
-        WeightFormat::Q4_1 => crate::act16::gemm_q4_1(f2.rows(rows), acts, local),
-        _ => crate::act16::gemm_q8_0(f2.rows(rows), acts, local),
+    batched_rows(w, acts.rows(), rows.clone(), out, |local| {
+        if f2.has_min() {
+            crate::act16::gemm_q4_1(f2.rows(rows), acts, local)
+        } else {
+            crate::act16::gemm_q8_0(f2.rows(rows), acts, local)
+        }
     });
 }
 

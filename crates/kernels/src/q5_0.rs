@@ -63,6 +63,24 @@ pub fn dequantize_row(x: &[BlockQ5_0], y: &mut [f32]) {
     }
 }
 
+/// The same values as Q8_0 blocks, exactly: a Q5_0 element is `d·(q - 16)`
+/// with `q - 16` in `-16..=15`, which a Q8_0 block of the same f16 `d` holds
+/// as its quant. (What the fast path runs Q5_0 matrices from, through the
+/// Q8_0 kernels.)
+pub fn to_q8_0(x: &[BlockQ5_0]) -> Vec<BlockQ8_0> {
+    x.iter()
+        .map(|b| {
+            let qh = u32::from_le_bytes(b.qh);
+            let mut qs = [0i8; QK5_0];
+            for j in 0..QK5_0 / 2 {
+                let (x0, x1) = quants(b, qh, j);
+                (qs[j], qs[j + QK5_0 / 2]) = (x0 as i8, x1 as i8);
+            }
+            BlockQ8_0 { d: b.d, qs }
+        })
+        .collect()
+}
+
 /// ggml `quantize_row_q5_0_ref`: `d = max/-16` for the signed value of largest
 /// magnitude, `q = min(31, trunc(x/d + 16.5))`.
 ///
@@ -147,6 +165,31 @@ mod tests {
         b.qh = 0xFFFD_0000u32.to_le_bytes();
         dequantize_row(&[b], &mut y);
         assert_eq!(y[17], -7.5);
+    }
+
+    /// The Q8_0 copy holds the same values (every quant, every scale) and gives
+    /// the same Q8_0-activation dot products, bit for bit.
+    #[test]
+    fn q8_0_copy_is_exact() {
+        let mut rng = XorShift::new(52);
+        let n = QK5_0 * 96;
+        let mut b = vec![BlockQ5_0::zeroed(); n / QK5_0];
+        quantize_row_ref(&rng.vec_weights(n, 0.05), &mut b);
+        // Every quant value, including the extremes, appears.
+        b[0].qs = std::array::from_fn(|j| j as u8 | ((j as u8) << 4));
+        b[0].qh = 0xFFFF_0000u32.to_le_bytes();
+        let q8 = to_q8_0(&b);
+        let (mut y5, mut y8) = (vec![0.0; n], vec![0.0; n]);
+        dequantize_row(&b, &mut y5);
+        q8_0::dequantize_row(&q8, &mut y8);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&y5), bits(&y8));
+        let mut act = vec![BlockQ8_0::ZERO; n / QK8_0];
+        q8_0::quantize_row_ref(&rng.vec_uniform(n, -3.0, 3.0), &mut act);
+        assert_eq!(
+            vec_dot_q5_0_q8_0(&b, &act).to_bits(),
+            q8_0::vec_dot_q8_0_q8_0(&q8, &act).to_bits()
+        );
     }
 
     #[test]

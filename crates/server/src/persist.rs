@@ -309,7 +309,7 @@ impl Persist {
             return;
         }
         let t = Instant::now();
-        let text = session.model().tokenizer.decode(session.tokens(), true);
+        let text = session.model().tokenizer.prompt_text(session.tokens());
         let sections: Vec<_> = self
             .tool_memory
             .as_ref()
@@ -405,7 +405,7 @@ mod tests {
             let mut p = Persist::new(open(), &s);
             p.save(&s, SaveReason::Shutdown);
             assert_eq!(p.store_usage().files, 1, "{saver}: saved");
-            let prompt = model.tokenizer.decode(s.tokens(), true);
+            let prompt = model.tokenizer.prompt_text(s.tokens());
 
             let other = if saver == KvType::F16 {
                 KvType::F32

@@ -321,26 +321,27 @@ pub struct Divergence {
 
 /// How many of `ids` (whose text lengths `piece_len` gives) lie wholly within
 /// the first `bytes` bytes of their text.
-pub fn tokens_within(ids: &[u32], bytes: usize, piece_len: impl Fn(u32) -> usize) -> usize {
+pub fn tokens_within(ids: &[u32], bytes: usize, piece_len: impl Fn(usize, u32) -> usize) -> usize {
     let mut end = 0;
     ids.iter()
-        .take_while(|&&id| {
-            end += piece_len(id);
+        .enumerate()
+        .take_while(|&(i, &id)| {
+            end += piece_len(i, id);
             end <= bytes
         })
         .count()
 }
 
 impl Divergence {
-    /// Compares `prompt` (tokenized as `ids`, piece lengths from `piece_len`) with
-    /// a candidate's text.
+    /// Compares `prompt` (tokenized as `ids`, the length of the piece at each
+    /// index from `piece_len`) with a candidate's text.
     pub fn find(
         candidate: &'static str,
         offered_tokens: usize,
         prompt: &[u8],
         text: &[u8],
         ids: &[u32],
-        piece_len: impl Fn(u32) -> usize,
+        piece_len: impl Fn(usize, u32) -> usize,
     ) -> Self {
         let byte = prompt.iter().zip(text).take_while(|(a, b)| a == b).count();
         let token = tokens_within(ids, byte, piece_len);
@@ -538,7 +539,13 @@ struct Held {
 impl Held {
     fn of(session: &Session, ids: &[u32]) -> Held {
         let live = session.tokens();
-        let by_token = live.iter().zip(ids).take_while(|(a, b)| a == b).count();
+        let mut by_token = live.iter().zip(ids).take_while(|(a, b)| a == b).count();
+        if !session.can_rewind(by_token) {
+            // A sliding-window ring has overwritten rows the shared prefix's
+            // continuation reads: nothing is reusable by token (a disk
+            // checkpoint or a cold prefill answers, never wrong logits).
+            by_token = 0;
+        }
         let by_text = (by_token < live.len())
             .then(|| session.model().tokenizer.continuation(live, ids))
             .flatten();
@@ -714,13 +721,13 @@ impl WorkerState {
         let live = self.session.tokens().to_vec();
         let (ids, reused, source) = self.plan(&job.prompt, ids);
         let tok = &self.session.model().tokenizer;
-        let piece_len = |id: u32| tok.decode(&[id], true).len();
+        let piece_len = |i: usize, id: u32| tok.prompt_piece(i, id).len();
         let mut miss = (reused < live.len()).then(|| {
             Divergence::find(
                 "memory",
                 live.len(),
                 job.prompt.as_bytes(),
-                &tok.decode(&live, true),
+                &tok.prompt_text(&live),
                 &ids,
                 piece_len,
             )
@@ -800,7 +807,7 @@ impl WorkerState {
             let tok = &model_for_hints.tokenizer;
             job.breakpoints
                 .iter()
-                .map(|&b| tokens_within(&ids, b, |id| tok.decode(&[id], true).len()))
+                .map(|&b| tokens_within(&ids, b, |i, id| tok.prompt_piece(i, id).len()))
                 .collect()
         } else {
             vec![]

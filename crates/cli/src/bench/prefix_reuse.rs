@@ -93,7 +93,7 @@ fn measure(
             ..StoreConfig::default()
         },
     )?;
-    let text = model.tokenizer.decode(cold.tokens(), true);
+    let text = model.tokenizer.prompt_text(cold.tokens());
     let id = ds4_server::persist::model_id(&cold);
     let t = Instant::now();
     let mut write = |w: &mut dyn std::io::Write| {

@@ -15,7 +15,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use ds4_gguf::Gguf;
 
 use super::pretokenize::{self, PreType};
-use super::vocab::Vocab;
+use super::vocab::{Defaults, Vocab};
 use super::TokenizerError;
 
 const KEY_MERGES: &str = "tokenizer.ggml.merges";
@@ -118,6 +118,14 @@ pub(crate) struct Bpe {
 }
 
 impl Bpe {
+    /// llama.cpp's defaults for BPE vocabularies: BOS = EOS = 11 (when in range).
+    pub(crate) const DEFAULTS: Defaults = Defaults {
+        bos: Some(11),
+        eos: Some(11),
+        unk: None,
+        add_bos: false,
+    };
+
     pub(crate) fn from_gguf(g: &Gguf, vocab: &Vocab) -> Result<Self, TokenizerError> {
         let pre_name = g.get_str(KEY_PRE)?;
         let pre = PreType::from_gguf_name(pre_name).ok_or_else(|| TokenizerError::Unsupported {

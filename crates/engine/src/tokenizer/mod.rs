@@ -9,15 +9,17 @@
 //! | `tokenizer.ggml.model` | `tokenizer.ggml.pre` | model |
 //! |---|---|---|
 //! | `gpt2` | `smollm` | byte-level BPE (`bpe`, pre-tokenizer in `pretokenize`) |
+//! | `llama` | not read (llama.cpp ignores it too) | SentencePiece-style merges by score with byte fallback (`spm`), e.g. Gemma 3 |
 //!
-//! SentencePiece-style vocabularies (`llama`, e.g. Gemma) are another `Model`
-//! variant, to come. Decoding concatenates per-token pieces; it does not strip a
-//! leading BOS or clean up spaces the way `llama_detokenize` can be asked to.
+//! Decoding concatenates per-token pieces; it does not strip a leading BOS, nor the
+//! space an SPM `add_space_prefix` puts in front, nor clean up spaces the way
+//! `llama_detokenize` can be asked to.
 
 mod bpe;
 mod pretokenize;
 mod segments;
 mod special;
+mod spm;
 mod stream;
 mod vocab;
 
@@ -31,7 +33,8 @@ pub use stream::StreamDecoder;
 
 use bpe::Bpe;
 use special::Fragment;
-use vocab::{Defaults, Vocab};
+use spm::Spm;
+use vocab::Vocab;
 
 const KEY_MODEL: &str = "tokenizer.ggml.model";
 
@@ -83,12 +86,18 @@ pub enum TokenizerError {
     },
     #[error("token {id} {text:?} has type byte but is not of the form <0xXX>")]
     BadByteToken { id: u32, text: String },
+    #[error("tokenizer.ggml.tokens has no byte token {text:?} (SPM byte fallback needs all 256)")]
+    MissingByteToken { text: String },
+    #[error("tokenizer.ggml.scores[{id}] is NaN")]
+    NanScore { id: u32 },
 }
 
 /// The vocabulary model that turns raw text into tokens.
 enum Model {
     /// Byte-level BPE (`gpt2`).
     Bpe(Bpe),
+    /// SentencePiece-style merges by score, with byte fallback (`llama`).
+    Spm(Spm),
 }
 
 /// A tokenizer loaded from GGUF metadata. Immutable; share it freely.
@@ -101,27 +110,26 @@ impl Tokenizer {
     /// Reads and validates the `tokenizer.ggml.*` metadata of `g`.
     pub fn from_gguf(g: &Gguf) -> Result<Self, TokenizerError> {
         let name = g.get_str(KEY_MODEL)?;
-        match name {
+        let (vocab, model) = match name {
             "gpt2" => {
-                // llama.cpp's defaults for BPE vocabularies: BOS = EOS = 11 (in range).
-                let defaults = Defaults {
-                    bos: Some(11),
-                    eos: Some(11),
-                    unk: None,
-                };
-                let vocab = Vocab::from_gguf(g, &defaults, Bpe::normal_piece)?;
+                let vocab = Vocab::from_gguf(g, &Bpe::DEFAULTS, Bpe::normal_piece)?;
                 let bpe = Bpe::from_gguf(g, &vocab)?;
-                Ok(Tokenizer {
-                    vocab,
-                    model: Model::Bpe(bpe),
+                (vocab, Model::Bpe(bpe))
+            }
+            "llama" => {
+                let vocab = Vocab::from_gguf(g, &Spm::DEFAULTS, Spm::normal_piece)?;
+                let spm = Spm::from_gguf(g, &vocab)?;
+                (vocab, Model::Spm(spm))
+            }
+            _ => {
+                return Err(TokenizerError::Unsupported {
+                    key: KEY_MODEL,
+                    value: name.to_owned(),
+                    supported: "gpt2, llama",
                 })
             }
-            _ => Err(TokenizerError::Unsupported {
-                key: KEY_MODEL,
-                value: name.to_owned(),
-                supported: "gpt2",
-            }),
-        }
+        };
+        Ok(Tokenizer { vocab, model })
     }
 
     /// Tokenizes `text`. `add_special` adds BOS/EOS where the GGUF asks for them
@@ -144,12 +152,23 @@ impl Tokenizer {
     /// Appends the tokens of `text` (no BOS/EOS), special texts parsed as
     /// [`Tokenizer::encode`] says.
     fn encode_into(&self, text: &str, parse_special: bool, out: &mut Vec<u32>) {
+        // SPM prefixes a space to a fragment at the start or after a special token.
+        let mut after_special = true;
         for frag in self.vocab.specials.partition(text, parse_special) {
             match frag {
-                Fragment::Token(id) => out.push(id),
-                Fragment::Text(range) => match &self.model {
-                    Model::Bpe(bpe) => bpe.encode(&text[range], out),
-                },
+                Fragment::Token(id) => {
+                    out.push(id);
+                    after_special = true;
+                }
+                Fragment::Text(range) => {
+                    match &self.model {
+                        Model::Bpe(bpe) => bpe.encode(&text[range], out),
+                        Model::Spm(spm) => {
+                            spm.encode(&self.vocab, &text[range], after_special, out)
+                        }
+                    }
+                    after_special = false;
+                }
             }
         }
     }
@@ -162,6 +181,29 @@ impl Tokenizer {
             out.extend_from_slice(self.token_piece(id, render_special));
         }
         out
+    }
+
+    /// The text of a prompt's ids: their pieces with special tokens rendered, but
+    /// without the BOS that [`encode`](Self::encode) with `add_special` puts first
+    /// (it is not in the prompt's text). Encoding this text that way gives `ids`
+    /// back for a prompt that was tokenized that way, so it is the text a
+    /// checkpoint of these ids is found by.
+    pub fn prompt_text(&self, ids: &[u32]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(ids.len() * 4);
+        for (i, &id) in ids.iter().enumerate() {
+            out.extend_from_slice(self.prompt_piece(i, id));
+        }
+        out
+    }
+
+    /// What token `id` at index `i` of a prompt's ids adds to
+    /// [`prompt_text`](Self::prompt_text): nothing for the added BOS, its piece
+    /// otherwise.
+    pub fn prompt_piece(&self, i: usize, id: u32) -> &[u8] {
+        if i == 0 && self.vocab.add_bos && self.vocab.bos() == Some(id) {
+            return &[];
+        }
+        self.token_piece(id, true)
     }
 
     /// The bytes token `id` stands for. Control and unknown tokens render as their

@@ -109,6 +109,10 @@ impl Tokenizer {
     pub fn min_tokens(&self, text: &str) -> usize {
         let kept = match &self.model {
             Model::Bpe(bpe) => bpe.kept_bytes(text),
+            // Byte fallback covers every byte (a vocabulary without all 256
+            // byte tokens fails at load); a space merged as `▁` renders as
+            // one byte again, so a token stands for its rendered piece.
+            Model::Spm(_) => text.len(),
         };
         kept.div_ceil(self.longest_piece().max(1))
     }

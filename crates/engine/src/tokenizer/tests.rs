@@ -1,13 +1,17 @@
-//! Tokenizers built from small synthetic GGUFs: merge order, special tokens, the
-//! end-of-generation set, and every validation error.
+//! Byte-level BPE tokenizers built from small synthetic GGUFs: merge order, special
+//! tokens, the end-of-generation set, and every validation error. The GGUF helpers
+//! serve the SPM tests in `spm` too.
 
 use ds4_gguf::{Gguf, GgufError, GgufWriter, Value, ValueType};
 
 use super::{Tokenizer, TokenizerError};
 
-const NORMAL: i32 = 1;
-const CONTROL: i32 = 3;
-const USER: i32 = 4;
+// `tokenizer.ggml.token_type` values.
+pub(super) const NORMAL: i32 = 1;
+pub(super) const UNKNOWN: i32 = 2;
+pub(super) const CONTROL: i32 = 3;
+pub(super) const USER: i32 = 4;
+pub(super) const BYTE: i32 = 6;
 
 /// Tokens (text, type) and merges of a tiny byte-level vocabulary. 'z' has no token.
 const TOKENS: &[(&str, i32)] = &[
@@ -32,7 +36,7 @@ const TOKENS: &[(&str, i32)] = &[
 ];
 const MERGES: &[&str] = &["b c", "a b", "a a", "Ġ a", "ab c"];
 
-fn strs(items: &[&str]) -> Value {
+pub(super) fn strs(items: &[&str]) -> Value {
     Value::Array {
         elem: ValueType::String,
         items: items
@@ -42,7 +46,7 @@ fn strs(items: &[&str]) -> Value {
     }
 }
 
-fn ints(items: &[i32]) -> Value {
+pub(super) fn ints(items: &[i32]) -> Value {
     Value::Array {
         elem: ValueType::I32,
         items: items.iter().map(|&x| Value::I32(x)).collect(),
@@ -63,7 +67,7 @@ fn base() -> Vec<(&'static str, Value)> {
     ]
 }
 
-fn build(kv: &[(&'static str, Value)]) -> Result<Tokenizer, TokenizerError> {
+pub(super) fn build(kv: &[(&'static str, Value)]) -> Result<Tokenizer, TokenizerError> {
     let mut w = GgufWriter::new();
     for (k, v) in kv {
         w.add_kv(*k, v.clone());
@@ -72,8 +76,12 @@ fn build(kv: &[(&'static str, Value)]) -> Result<Tokenizer, TokenizerError> {
     Tokenizer::from_gguf(&g)
 }
 
-fn with(key: &'static str, value: Value) -> Result<Tokenizer, TokenizerError> {
-    let mut kv = base();
+/// `kv` with `key` set to `value` (replaced or added), built.
+pub(super) fn build_with(
+    mut kv: Vec<(&'static str, Value)>,
+    key: &'static str,
+    value: Value,
+) -> Result<Tokenizer, TokenizerError> {
     match kv.iter_mut().find(|(k, _)| *k == key) {
         Some(slot) => slot.1 = value,
         None => kv.push((key, value)),
@@ -81,16 +89,28 @@ fn with(key: &'static str, value: Value) -> Result<Tokenizer, TokenizerError> {
     build(&kv)
 }
 
-fn without(key: &str) -> Result<Tokenizer, TokenizerError> {
-    let kv: Vec<_> = base().into_iter().filter(|(k, _)| *k != key).collect();
+/// `kv` without `key`, built.
+pub(super) fn build_without(
+    kv: Vec<(&'static str, Value)>,
+    key: &str,
+) -> Result<Tokenizer, TokenizerError> {
+    let kv: Vec<_> = kv.into_iter().filter(|(k, _)| *k != key).collect();
     build(&kv)
+}
+
+fn with(key: &'static str, value: Value) -> Result<Tokenizer, TokenizerError> {
+    build_with(base(), key, value)
+}
+
+fn without(key: &str) -> Result<Tokenizer, TokenizerError> {
+    build_without(base(), key)
 }
 
 fn tok() -> Tokenizer {
     build(&base()).expect("tiny tokenizer")
 }
 
-fn err_text(r: Result<Tokenizer, TokenizerError>) -> String {
+pub(super) fn err_text(r: Result<Tokenizer, TokenizerError>) -> String {
     match r {
         Ok(_) => panic!("expected an error"),
         Err(e) => e.to_string(),

@@ -44,11 +44,21 @@ fn attr_of_type(t: i64) -> Option<u16> {
     })
 }
 
-/// Special token ids a model family assumes when the GGUF does not say.
+/// What a vocabulary model assumes when the GGUF does not say: special token ids, and
+/// whether BOS is added (`tokenizer.ggml.add_bos_token`).
 pub(crate) struct Defaults {
     pub bos: Option<u32>,
     pub eos: Option<u32>,
     pub unk: Option<u32>,
+    pub add_bos: bool,
+}
+
+/// An optional boolean key: `None` when absent, an error when of another type.
+pub(crate) fn get_flag(g: &Gguf, key: &str) -> Result<Option<bool>, TokenizerError> {
+    Ok(match g.get(key) {
+        Some(_) => Some(g.get_bool(key)?),
+        None => None,
+    })
 }
 
 /// Special token ids (llama.cpp `special_*_id`).
@@ -368,15 +378,9 @@ impl Vocab {
         }
         self.special = s;
 
-        let flag = |key: &str| -> Result<Option<bool>, TokenizerError> {
-            Ok(match g.get(key) {
-                Some(_) => Some(g.get_bool(key)?),
-                None => None,
-            })
-        };
-        // No family supported so far adds BOS or EOS unless the GGUF says so.
-        self.add_bos = flag(KEY_ADD_BOS)?.unwrap_or(false);
-        self.add_eos = flag(KEY_ADD_EOS)?.unwrap_or(false);
+        // No model supported so far adds EOS unless the GGUF says so.
+        self.add_bos = get_flag(g, KEY_ADD_BOS)?.unwrap_or(defaults.add_bos);
+        self.add_eos = get_flag(g, KEY_ADD_EOS)?.unwrap_or(false);
         if self.add_bos && s.bos.is_none() {
             return Err(TokenizerError::AddWithoutId {
                 add_key: KEY_ADD_BOS,

@@ -1,0 +1,141 @@
+//! `ds4 serve` on the second family (Gemma 3, a base model with a sliding
+//! window): completions answer like the golden vector, chat routes without a
+//! template are refused clearly, checkpoints of its ring state come back across
+//! a restart and continue as the uninterrupted session, a prompt that diverges
+//! further back than the window is answered as a cold run, and checkpoints never
+//! cross families.
+
+mod common;
+
+use common::{kv_flags, post, temp_dir, Server};
+use serde_json::{json, Value};
+
+fn model_arg(file: &str) -> String {
+    ds4_testdata::model_path(file).display().to_string()
+}
+
+fn vector(name: &str) -> Value {
+    let path = ds4_testdata::vectors_dir("llama-cpp").join(name);
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+fn complete(port: u16, prompt: &str, max_tokens: u32) -> (String, String, u64) {
+    let r = post(
+        port,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let b = r.json();
+    (
+        b["choices"][0]["text"].as_str().unwrap().to_string(),
+        r.header("x-ds4-cache").unwrap_or_default(),
+        b["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+    )
+}
+
+#[test]
+fn gemma3_serves_completions_and_refuses_chat_without_a_template() {
+    let g = model_arg(ds4_testdata::GEMMA3);
+    let srv = Server::start(&["-m", &g, "--no-kv-disk"]);
+    let v = vector("gemma3_270m_capital_france.json");
+    let (text, _, _) = complete(srv.port, v["prompt"].as_str().unwrap(), 8);
+    // The reference's first greedy tokens (its top-1 gaps there are wide).
+    let want: String = v["generated_texts"].as_array().unwrap()[..8]
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(text, want);
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "x", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        ("/v1/responses", json!({"model": "x", "input": "hi"})),
+    ] {
+        let r = post(srv.port, path, &body);
+        assert_eq!(r.status, 400, "{path}: {}", r.body);
+        assert!(r.body.contains("no chat template"), "{path}: {}", r.body);
+    }
+    let log = srv.stop();
+    assert!(log.contains("(gemma3, 18 layers"), "{log}");
+}
+
+#[test]
+fn gemma3_ring_checkpoints_restore_across_a_restart_and_never_cross_families() {
+    let dir = temp_dir("gemma3");
+    let kv = dir.join("kv");
+    let g = model_arg(ds4_testdata::GEMMA3);
+    // No side slot: the diverged request must land on the live conversation.
+    let args = [
+        &["-m", g.as_str(), "--side-ctx", "0"][..],
+        &kv_flags(&kv)[..],
+    ]
+    .concat();
+    // 1998 tokens: far past the 512-token window of the local layers.
+    let prompt = vector("gemma3_270m_long_promessi_sposi.json")["prompt"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let srv = Server::start(&args);
+    let (cold, src, _) = complete(srv.port, &prompt, 12);
+    assert!(src.starts_with("none"), "{src}");
+    // The same text cut about 1,200 tokens back, with a new ending: memory
+    // holds that prefix's tokens, but the ring no longer holds the window
+    // before it, so this runs cold (after an evict save of the live state)
+    // and must equal a fresh server's answer.
+    let cut = prompt
+        .char_indices()
+        .nth(prompt.chars().count() * 2 / 5)
+        .unwrap()
+        .0;
+    let diverged = format!("{} E poi, all'improvviso,", &prompt[..cut]);
+    let (after, src, reused) = complete(srv.port, &diverged, 12);
+    assert_eq!(reused, 0, "{src}");
+    let log = srv.stop();
+    assert!(
+        log.contains("reason=evict") && log.contains("reason=shutdown"),
+        "{log}"
+    );
+
+    // The uninterrupted session, on a server without a store.
+    let fresh = Server::start(&["-m", &g, "--no-kv-disk", "--side-ctx", "0"]);
+    assert_eq!(complete(fresh.port, &prompt, 12).0, cold);
+    let turn2 = format!("{prompt}{cold}");
+    let (x0, src, _) = complete(fresh.port, &turn2, 12);
+    assert!(src.starts_with("memory"), "{src}");
+    let (want, _, _) = complete(fresh.port, &diverged, 12);
+    assert_eq!(after, want, "a diverged prompt must answer as a cold run");
+    drop(fresh);
+
+    // Restart: the ring state of the long prompt and its answer (the evict
+    // save) comes back from disk and continues as the uninterrupted session.
+    let srv = Server::start(&args);
+    let (x2, src, reused) = complete(srv.port, &turn2, 12);
+    assert!(src.starts_with("disk-text") && reused > 1900, "{src}");
+    assert_eq!(x2, x0, "restart changed the output");
+    drop(srv);
+
+    // A SmolLM2 server on the same store is never offered Gemma's checkpoints,
+    // and the reverse.
+    let s = model_arg(ds4_testdata::SMOLLM2);
+    let srv = Server::start(&[&["-m", s.as_str()][..], &kv_flags(&kv)[..]].concat());
+    let (_, src, reused) = complete(srv.port, &prompt, 4);
+    assert!(src.starts_with("none") && reused == 0, "{src}");
+    srv.stop();
+    let srv = Server::start(&args);
+    let smol_prompt = "Once upon a time there was a lighthouse keeper who ".repeat(8);
+    let _ = complete(srv.port, &smol_prompt, 2);
+    drop(srv);
+    let srv = Server::start(&[&["-m", s.as_str()][..], &kv_flags(&kv)[..]].concat());
+    let (_, src, _) = complete(srv.port, &smol_prompt, 2);
+    assert!(src.starts_with("none"), "{src}");
+    drop(srv);
+    std::fs::remove_dir_all(dir).unwrap();
+}

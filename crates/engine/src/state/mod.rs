@@ -1,0 +1,68 @@
+//! Per-sequence state behind one trait (the idea of llama.cpp's `llama_memory_i`):
+//! what a family's forward pass reads and appends to for one sequence, how far it
+//! can be cut back, and its payload bytes in logical order.
+//!
+//! Variants: [`KvState`] (`kv.rs`), per-layer K/V rows, each layer either dense
+//! (a row for every position: llama, Gemma 3's global layers) or a ring of the
+//! last rows of a sliding window (Gemma 3's local layers). A family creates the
+//! state its layers need ([`crate::models::Family::new_state`]) and downcasts it
+//! back in its forward pass; `Session` only uses this trait.
+
+mod kv;
+
+use std::any::Any;
+use std::io::{Read, Write};
+
+pub(crate) use kv::{store_rows, KvLayerSpec, KvState, LayerRows};
+
+use crate::error::Result;
+use crate::session::KvType;
+
+/// One sequence's state. Positions `0..len()` have been run through it.
+pub(crate) trait SeqState: Send {
+    /// Tokens the state represents.
+    fn len(&self) -> usize;
+
+    /// The largest number of positions it can hold.
+    fn n_ctx(&self) -> usize;
+
+    /// The most tokens one forward call may append (a ring must keep every row
+    /// an earlier token of the same call still reads).
+    fn max_step(&self) -> usize;
+
+    fn kv_type(&self) -> KvType;
+
+    /// Whether the state can be cut back to represent exactly its first `n`
+    /// tokens (`n <= len()`), so that appending from position `n` is correct.
+    /// A ring that has overwritten a row the continuation would read answers
+    /// false; the caller then restores a snapshot or prefills again.
+    fn can_cut_to(&self, n: usize) -> bool;
+
+    /// Cuts back to `n` tokens; the caller has checked [`can_cut_to`](Self::can_cut_to).
+    fn cut_to(&mut self, n: usize);
+
+    /// Forgets everything: the next forward starts at position 0.
+    fn reset(&mut self);
+
+    /// Bytes [`write`](Self::write) writes.
+    fn payload_bytes(&self) -> u64;
+
+    /// Writes a descriptor of the layout, then the rows the state holds, in
+    /// logical (position) order.
+    fn write(&self, w: &mut dyn Write) -> Result<()>;
+
+    /// Replaces the state with what [`write`](Self::write) wrote for `len`
+    /// tokens, checking the descriptor against this state's layout. On error
+    /// the state is left empty.
+    fn read(&mut self, len: usize, r: &mut dyn Read) -> Result<()>;
+
+    /// Replaces the state with a version-1 payload's rows (dense K/V of every
+    /// layer, written before payloads described their state), where the
+    /// layout allows it.
+    fn read_v1(&mut self, len: usize, r: &mut dyn Read) -> Result<()>;
+
+    /// Memory the state holds, in bytes.
+    fn memory_bytes(&self) -> u64;
+
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}

@@ -1,0 +1,120 @@
+//! The forward pass over several sessions at once, for every family: each
+//! session's logits are bitwise what it gets alone, whatever its neighbours in
+//! the batch (lengths past a sliding window, several tokens per step, every
+//! precision and K/V type); a batch that breaks a rule is refused before
+//! anything runs.
+
+mod families;
+
+use std::sync::Arc;
+
+use ds4_engine::sampler::argmax;
+use ds4_engine::{Batch, EngineError, KvType, Precision, Session, SessionOptions, ThreadPool};
+use families::Family;
+
+fn session(f: &Family, precision: Precision, kv_type: KvType, pool: &Arc<ThreadPool>) -> Session {
+    let opts = SessionOptions {
+        n_ctx: 1024,
+        prefill_chunk: 32,
+        precision,
+        kv_type,
+    };
+    Session::new(families::model(f), Arc::clone(pool), &opts)
+}
+
+fn bits(s: &Session) -> Vec<u32> {
+    s.logits().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+fn batched_equals_alone(f: &Family) {
+    let p = families::long_prompt(f);
+    let pool = Arc::new(ThreadPool::new(2));
+    // The exact path's products are per row too (`matmul_f32`); it is left out
+    // only for time.
+    for (precision, kv_type) in [
+        (Precision::Fast, KvType::F16),
+        (Precision::Fast, KvType::F32),
+        (Precision::Q8, KvType::F32),
+    ] {
+        // Three conversations of different lengths (one past a 512-token
+        // window), each prefilled alone.
+        let starts = [(0, 37), (100, 700), (1500, 5)];
+        let mut batched: Vec<Session> = Vec::new();
+        let mut alone: Vec<Session> = Vec::new();
+        for &(from, len) in &starts {
+            let mut s = session(f, precision, kv_type, &pool);
+            s.prefill(&p[from..from + len]).unwrap();
+            let mut twin = session(f, precision, kv_type, &pool);
+            twin.restore(&s.snapshot().unwrap()).unwrap();
+            batched.push(s);
+            alone.push(twin);
+        }
+        let mut batch = Batch::new(families::model(f), Arc::clone(&pool), 64);
+        for step in 0..6 {
+            // Each session's next tokens: its greedy token, and at some steps a
+            // few forced ones (a multi-token step beside single ones).
+            let next: Vec<Vec<u32>> = batched
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let mut t = vec![argmax(s.logits().unwrap())];
+                    if (step + i) % 3 == 0 {
+                        t.extend_from_slice(&p[200 + step..203 + step]);
+                    }
+                    t
+                })
+                .collect();
+            let mut steps: Vec<(&mut Session, &[u32])> = batched
+                .iter_mut()
+                .zip(&next)
+                .map(|(s, t)| (s, t.as_slice()))
+                .collect();
+            batch.forward(&mut steps).unwrap();
+            for (i, (b, a)) in batched.iter().zip(alone.iter_mut()).enumerate() {
+                a.prefill(&next[i]).unwrap();
+                assert_eq!(b.tokens(), a.tokens());
+                assert!(
+                    bits(b) == bits(a),
+                    "{} {precision:?} {kv_type}: session {i} step {step}",
+                    f.name
+                );
+            }
+        }
+    }
+}
+
+fn refused_batches_change_nothing(f: &Family) {
+    let p = families::long_prompt(f);
+    let pool = Arc::new(ThreadPool::new(1));
+    let mut a = session(f, Precision::Fast, KvType::F16, &pool);
+    let mut b = session(f, Precision::Q8, KvType::F16, &pool);
+    a.prefill(&p[..10]).unwrap();
+    b.prefill(&p[..10]).unwrap();
+    let before = bits(&a);
+    let mut batch = Batch::new(families::model(f), Arc::clone(&pool), 8);
+    let cases: Vec<(Vec<u32>, Vec<u32>, &str)> = vec![
+        (vec![1], vec![1], "another precision"),
+        (vec![], vec![1], "a step takes"),
+        (vec![1; 40], vec![1], "a step takes"),
+        (vec![u32::MAX], vec![1], "outside the vocabulary"),
+    ];
+    for (ta, tb, want) in cases {
+        let mut steps: Vec<(&mut Session, &[u32])> = vec![(&mut a, &ta[..]), (&mut b, &tb[..])];
+        let e = batch.forward(&mut steps).unwrap_err();
+        assert!(e.to_string().contains(want), "{want}: {e}");
+        assert_eq!(a.tokens().len(), 10);
+        assert!(bits(&a) == before);
+    }
+    let mut c = session(f, Precision::Fast, KvType::F16, &pool);
+    c.prefill(&p[..10]).unwrap();
+    let (t1, t2) = (vec![1u32; 5], vec![1u32; 5]);
+    let e = batch
+        .forward(&mut [(&mut a, &t1[..]), (&mut c, &t2[..])])
+        .unwrap_err();
+    assert!(
+        matches!(e, EngineError::Batch { .. }) && e.to_string().contains("holds 8"),
+        "{e}"
+    );
+}
+
+for_each_family!(batched_equals_alone, refused_batches_change_nothing);
