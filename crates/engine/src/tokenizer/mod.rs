@@ -142,7 +142,7 @@ impl Tokenizer {
         if add_special && v.add_bos {
             out.extend(v.bos());
         }
-        self.encode_into(text, parse_special, &mut out);
+        self.encode_into(text, parse_special, true, &mut out);
         if add_special && v.add_eos {
             out.extend(v.eos());
         }
@@ -151,9 +151,15 @@ impl Tokenizer {
 
     /// Appends the tokens of `text` (no BOS/EOS), special texts parsed as
     /// [`Tokenizer::encode`] says.
-    fn encode_into(&self, text: &str, parse_special: bool, out: &mut Vec<u32>) {
-        // SPM prefixes a space to a fragment at the start or after a special token.
-        let mut after_special = true;
+    /// Appends `text`'s tokens. `after_special`: whether it starts the text or
+    /// follows a special token, where SPM puts its space prefix.
+    fn encode_into(
+        &self,
+        text: &str,
+        parse_special: bool,
+        mut after_special: bool,
+        out: &mut Vec<u32>,
+    ) {
         for frag in self.vocab.specials.partition(text, parse_special) {
             match frag {
                 Fragment::Token(id) => {

@@ -21,10 +21,11 @@
 //! [`Tokenizer::min_tokens`] bounds a text's token count from below without
 //! encoding it, so a prompt that cannot fit a context is refused for the price
 //! of one pass over its bytes. Several bytes can be one token, never one byte
-//! several tokens (a byte-level vocabulary covers each byte exactly once), so
-//! the bound divides the bytes by the longest token piece (81 bytes for
-//! SmolLM2). Bytes the vocabulary has no token for are dropped by encoding and
-//! do not count: a text of them alone is zero tokens.
+//! several tokens (a byte-level vocabulary covers each byte exactly once, and
+//! SPM's byte fallback too), so the bound divides the bytes by the longest
+//! token piece (81 bytes for SmolLM2). Bytes a BPE vocabulary has no token for
+//! are dropped by encoding and do not count: a text of them alone is zero
+//! tokens.
 
 use std::ops::Range;
 
@@ -64,7 +65,7 @@ impl Tokenizer {
         if add_special && v.add_bos {
             out.extend(v.bos());
         }
-        self.encode_around(&text, &controls, &mut out);
+        self.encode_around(&text, &controls, true, &mut out);
         if add_special && v.add_eos {
             out.extend(v.eos());
         }
@@ -99,7 +100,8 @@ impl Tokenizer {
             .map(|(r, id)| (r.start - cut..r.end - cut, *id))
             .collect();
         let mut out = Vec::new();
-        self.encode_around(rest, &later, &mut out);
+        let after_special = held.last().is_none_or(|&id| self.vocab.is_control(id));
+        self.encode_around(rest, &later, after_special, &mut out);
         Some(out)
     }
 
@@ -110,8 +112,7 @@ impl Tokenizer {
         let kept = match &self.model {
             Model::Bpe(bpe) => bpe.kept_bytes(text),
             // Byte fallback covers every byte (a vocabulary without all 256
-            // byte tokens fails at load); a space merged as `▁` renders as
-            // one byte again, so a token stands for its rendered piece.
+            // byte tokens fails to load).
             Model::Spm(_) => text.len(),
         };
         kept.div_ceil(self.longest_piece().max(1))
@@ -157,15 +158,25 @@ impl Tokenizer {
     }
 
     /// Appends `text` encoded with exactly the control tokens `controls` (in
-    /// order, inside `text`) and the runs between them as text.
-    fn encode_around(&self, text: &str, controls: &[(Range<usize>, u32)], out: &mut Vec<u32>) {
+    /// order, inside `text`) and the runs between them as text; `after_special`:
+    /// whether `text` starts a prompt or follows a special token (SPM's space
+    /// prefix).
+    fn encode_around(
+        &self,
+        text: &str,
+        controls: &[(Range<usize>, u32)],
+        after_special: bool,
+        out: &mut Vec<u32>,
+    ) {
         let mut at = 0;
+        let mut after = after_special;
         for (r, id) in controls {
-            self.encode_into(&text[at..r.start], false, out);
+            self.encode_into(&text[at..r.start], false, after, out);
             out.push(*id);
             at = r.end;
+            after = true;
         }
-        self.encode_into(&text[at..], false, out);
+        self.encode_into(&text[at..], false, after, out);
     }
 }
 
