@@ -55,6 +55,7 @@ impl KvArgs {
             budget_bytes: self.kv_disk_space_mb.saturating_mul(1 << 20),
             policy,
             reject_different_quant: self.kv_cache_reject_different_quant,
+            ..StoreConfig::default()
         })
     }
 

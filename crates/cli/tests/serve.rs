@@ -312,7 +312,9 @@ fn api_key_is_required_when_set() {
 
 #[test]
 fn a_client_that_disconnects_mid_stream_cancels_and_leaves_the_session_usable() {
-    let srv = Server::start(&["--no-kv-disk"]);
+    let dir = temp_dir("cancel");
+    let trace = dir.join("trace.jsonl");
+    let srv = Server::start(&["--no-kv-disk", "--trace", trace.to_str().unwrap()]);
     let body =
         json!({"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "stream": true})
             .to_string();
@@ -358,6 +360,20 @@ fn a_client_that_disconnects_mid_stream_cancels_and_leaves_the_session_usable() 
         .parse()
         .unwrap();
     assert!(generated < 2000, "{first}");
+    // Traced as cancelled (and why), not as the `length` it never reached.
+    assert!(
+        first.contains("finish=cancelled (the client went away)"),
+        "{first}"
+    );
+    let traced: Value = std::fs::read_to_string(&trace)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|l| l["event"] == "request")
+        .unwrap();
+    assert_eq!(traced["finish_reason"], "cancelled", "{traced}");
+    assert_eq!(traced["cancelled"], "the client went away");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -424,3 +424,34 @@ fn a_checkpoint_from_other_weights_is_refused() {
     assert_eq!(cached, 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A checkpoint save that fails (here the store's directory is gone, a file
+/// in its place) is counted in /metrics; the request is served anyway.
+#[test]
+fn failed_saves_are_counted_in_metrics() {
+    let dir = temp_dir("savefail");
+    let kv = dir.join("kv");
+    let srv = Server::start(&kv_flags(&kv));
+    let complete = |prompt: &str| {
+        let r = post(
+            srv.port,
+            "/v1/completions",
+            &json!({ "prompt": prompt, "max_tokens": 4, "temperature": 0 }),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+    };
+    complete(&"Alpha beta gamma delta. ".repeat(8));
+    std::fs::remove_dir_all(&kv).unwrap();
+    std::fs::write(&kv, b"not a directory").unwrap();
+    // Unrelated: the live session is evict-saved first, which fails.
+    complete(&"Zulu yankee x-ray whiskey. ".repeat(8));
+    let m = request(srv.port, "GET", "/metrics", b"", &[]).body;
+    let failures: u64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("ds4_kv_store_save_failures_total "))
+        .unwrap_or_else(|| panic!("{m}"))
+        .parse()
+        .unwrap();
+    assert!(failures >= 1, "{m}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -53,6 +53,11 @@ pub struct StoreConfig {
     /// Refuse checkpoints written by another quantization of the same model
     /// (`--kv-cache-reject-different-quant`).
     pub reject_different_quant: bool,
+    /// Inspect only (`ds4 kv ls`, `show`, `verify` without `--fix`): change
+    /// nothing on disk — no directory created, no stale temp file removed (each
+    /// is reported as [`Notice::StaleTemp`]), no eviction, no usage update on
+    /// load; saving and removing are refused.
+    pub read_only: bool,
 }
 
 impl Default for StoreConfig {
@@ -61,6 +66,7 @@ impl Default for StoreConfig {
             budget_bytes: 4096 << 20,
             policy: SavePolicy::default(),
             reject_different_quant: false,
+            read_only: false,
         }
     }
 }
@@ -75,6 +81,8 @@ pub enum Notice {
     RemovedTemp { file: PathBuf, why: &'static str },
     /// A stale temp file could not be removed.
     TempRemoveFailed { file: PathBuf, error: String },
+    /// A stale temp file was left in place (a read-only store).
+    StaleTemp { file: PathBuf, why: &'static str },
     /// A checkpoint was deleted to get under budget.
     Evicted(Evicted),
     /// A checkpoint chosen for eviction could not be deleted.
@@ -92,6 +100,11 @@ impl fmt::Display for Notice {
             Notice::RemovedTemp { file, why } => {
                 write!(f, "kv cache removed stale temp file={} ({why})", file.display())
             }
+            Notice::StaleTemp { file, why } => write!(
+                f,
+                "kv cache stale temp file={} ({why}); `ds4 kv verify --fix` removes it",
+                file.display()
+            ),
             Notice::TempRemoveFailed { file, error } => write!(
                 f,
                 "kv cache could not remove stale temp file={}: {error}",
@@ -342,7 +355,7 @@ impl Store {
                     ),
                 ))
             }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            Err(e) if e.kind() == io::ErrorKind::NotFound && !config.read_only => {
                 DirBuilder::new()
                     .recursive(true)
                     .mode(0o700)
@@ -364,9 +377,22 @@ impl Store {
         };
         {
             let mut st = store.lock();
-            store.evict_locked(&mut st, None, now_unix())?;
+            match store.config.read_only {
+                true => store.scan(&mut st)?,
+                false => store.evict_locked(&mut st, None, now_unix())?,
+            }
         }
         Ok(store)
+    }
+
+    /// Refuses a change to a read-only store.
+    fn writable(&self) -> Result<(), KvError> {
+        match self.config.read_only {
+            true => Err(KvError::InvalidRequest(
+                "the store was opened read-only".into(),
+            )),
+            false => Ok(()),
+        }
     }
 
     pub fn dir(&self) -> &Path {
@@ -485,6 +511,16 @@ impl Store {
         } else {
             return; // a live process is writing it
         };
+        if self.config.read_only {
+            // Reported once per name, like a failed removal.
+            if st.temp_failed.insert(name.to_string()) {
+                st.notices.push(Notice::StaleTemp {
+                    file: path.to_path_buf(),
+                    why,
+                });
+            }
+            return;
+        }
         match fs::remove_file(path) {
             Ok(()) => st.notices.push(Notice::RemovedTemp {
                 file: path.to_path_buf(),
@@ -641,7 +677,12 @@ impl Store {
     /// place. A damaged file is marked skipped and reported as [`KvError::Corrupt`].
     pub fn load(&self, cand: &Candidate, prompt: &[u8]) -> Result<Loaded, KvError> {
         let path = &cand.path;
-        let (file, writable) = match OpenOptions::new().read(true).write(true).open(path) {
+        let open_rw = if self.config.read_only {
+            Err(io::Error::from(io::ErrorKind::PermissionDenied))
+        } else {
+            OpenOptions::new().read(true).write(true).open(path)
+        };
+        let (file, writable) = match open_rw {
             Ok(f) => (f, true),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 return Err(KvError::io("open", path, e))
@@ -729,6 +770,7 @@ impl Store {
     /// then evict down to the budget with the new file protected. On any I/O error the
     /// temp file is removed and the error returned; the store stays usable.
     pub fn save(&self, mut req: SaveRequest<'_>) -> Result<SaveOutcome, KvError> {
+        self.writable()?;
         if req.tokens == 0 {
             return Err(KvError::InvalidRequest("tokens must be at least 1".into()));
         }
@@ -886,6 +928,7 @@ impl Store {
 
     /// Evict down to the budget now (also done by `open` and after each save).
     pub fn evict_to_budget(&self) -> Result<(), KvError> {
+        self.writable()?;
         let mut st = self.lock();
         self.evict_locked(&mut st, None, now_unix())
     }
@@ -1029,6 +1072,9 @@ impl Store {
     /// Fully read and checksum every checkpoint-named file; with `fix`, delete the bad
     /// ones (regular files only; unreadable files and foreign names are never touched).
     pub fn verify(&self, fix: bool) -> Result<VerifyReport, KvError> {
+        if fix {
+            self.writable()?;
+        }
         let mut report = VerifyReport::default();
         let rd = fs::read_dir(&self.dir).map_err(|e| KvError::io("list", &self.dir, e))?;
         let mut names: Vec<(String, [u8; 20])> = rd
@@ -1074,6 +1120,7 @@ impl Store {
 
     /// Delete one checkpoint by its 40-hex-digit hash. `Ok(false)` if it was not there.
     pub fn remove(&self, hash: &str) -> Result<bool, KvError> {
+        self.writable()?;
         if parse_hash(hash).is_none() {
             return Err(KvError::InvalidRequest(format!(
                 "{hash:?} is not 40 lowercase hex digits"
@@ -1092,6 +1139,7 @@ impl Store {
 
     /// Delete every checkpoint-named regular file (valid or not). Returns how many.
     pub fn clear(&self) -> Result<usize, KvError> {
+        self.writable()?;
         let rd = fs::read_dir(&self.dir).map_err(|e| KvError::io("list", &self.dir, e))?;
         let mut n = 0;
         for ent in rd.filter_map(|e| e.ok()) {

@@ -103,6 +103,9 @@ pub struct Finished {
     pub generated: usize,
     pub generated_text: String,
     pub finish: FinishReason,
+    /// Why a cancelled job was cut short (the client went away, the server is
+    /// shutting down); `None` otherwise.
+    pub cancelled: Option<&'static str>,
     /// `held` when a grammar held the output, `lazy-unused` when its trigger
     /// never came; `None` without one.
     pub grammar: Option<&'static str>,
@@ -136,7 +139,7 @@ impl std::fmt::Display for Notice {
             ),
             Notice::Finished(r) => write!(
                 f,
-                "request: cache={} reused={} prompt={} prefill={:.2}s generated={} decode={:.2}s finish={} slot={}{}",
+                "request: cache={} reused={} prompt={} prefill={:.2}s generated={} decode={:.2}s finish={}{} slot={}{}",
                 r.source.as_str(),
                 r.reused,
                 r.prompt_tokens,
@@ -144,6 +147,7 @@ impl std::fmt::Display for Notice {
                 r.generated,
                 r.decode_s,
                 r.finish.as_str(),
+                r.cancelled.map_or(String::new(), |why| format!(" ({why})")),
                 r.slot,
                 r.error.as_ref().map_or(String::new(), |e| format!(" error={e}"))
             ),

@@ -381,3 +381,81 @@ impl Persist {
         evictions
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use ds4_engine::{Model, Precision, SessionOptions, ThreadPool};
+    use ds4_kvstore::{SaveReason, StoreConfig};
+
+    use super::*;
+
+    fn session(model: &Arc<Model>, kv_type: KvType) -> Session {
+        let opts = SessionOptions {
+            n_ctx: 1024,
+            prefill_chunk: 256,
+            precision: Precision::Fast,
+            kv_type,
+        };
+        Session::new(Arc::clone(model), Arc::new(ThreadPool::new(1)), &opts)
+    }
+
+    /// A checkpoint saved by an f16 session is skipped (with a notice) by an f32
+    /// session's restore, which starts cold; and the reverse; a session of the
+    /// saving type restores it.
+    #[test]
+    fn checkpoints_of_the_other_kv_type_are_skipped() {
+        let model = Arc::new(
+            Model::load(ds4_testdata::model_path(ds4_testdata::SMOLLM2)).expect("loading SmolLM2"),
+        );
+        let text = "The quick brown fox jumps over the lazy dog. ".repeat(70);
+        let ids = model.tokenizer.encode(&text, true, true);
+        assert!(ids.len() >= 600, "{} tokens", ids.len());
+        for saver in [KvType::F16, KvType::F32] {
+            let dir = std::env::temp_dir()
+                .join(format!("ds4-persist-kvtype-{}-{saver}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            let skips = Arc::new(Mutex::new(0));
+            let counter = Arc::clone(&skips);
+            let notices: NoticeSink = Arc::new(move |n| {
+                if matches!(n, Notice::Skipped { .. }) {
+                    *counter.lock().unwrap() += 1;
+                }
+            });
+            let open = || Store::open(&dir, StoreConfig::default()).unwrap();
+            let mut s = session(&model, saver);
+            s.prefill(&ids).unwrap();
+            let mut p = Persist::new(open(), &s, None, Arc::clone(&notices));
+            assert!(p.save(0, &s, SaveReason::Shutdown).is_some(), "{saver}");
+            assert_eq!(p.store_usage().files, 1, "{saver}: saved");
+            let prompt = model.tokenizer.prompt_text(s.tokens());
+
+            let other = if saver == KvType::F16 {
+                KvType::F32
+            } else {
+                KvType::F16
+            };
+            let mut o = session(&model, other);
+            let mut po = Persist::new(open(), &o, None, Arc::clone(&notices));
+            assert!(
+                po.restore(0, &mut o, &prompt).is_none(),
+                "{saver} into {other}"
+            );
+            assert!(o.tokens().is_empty());
+            assert_eq!(*skips.lock().unwrap(), 1, "{saver} into {other}");
+
+            let mut same = session(&model, saver);
+            let mut ps = Persist::new(open(), &same, None, Arc::clone(&notices));
+            let restored = ps.restore(0, &mut same, &prompt).expect("restored");
+            assert_eq!(restored.covered, prompt.len());
+            assert_eq!(same.tokens(), s.tokens());
+            assert_eq!(
+                *skips.lock().unwrap(),
+                1,
+                "{saver}: no skip of its own type"
+            );
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+}

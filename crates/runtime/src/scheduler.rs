@@ -825,6 +825,11 @@ impl Engine {
             },
         };
         let run = *run;
+        let final_reason = if run.gen.is_none() {
+            FinishReason::Cancelled
+        } else {
+            finish
+        };
         (self.notices)(Notice::Finished(Box::new(Finished {
             job: run.job.id,
             route: run.job.route,
@@ -841,11 +846,14 @@ impl Engine {
             queue_s: run.queue_s,
             generated,
             generated_text: text,
-            finish: if run.gen.is_none() {
-                FinishReason::Cancelled
-            } else {
-                finish
-            },
+            finish: final_reason,
+            cancelled: (final_reason == FinishReason::Cancelled).then(|| {
+                if self.shared.stopping.load(Ordering::Acquire) {
+                    "the server is shutting down"
+                } else {
+                    "the client went away"
+                }
+            }),
             grammar,
             grammar_dropped: dropped,
             grammar_wound_down: wound,

@@ -34,7 +34,7 @@ use serde_json::{json, Value};
 
 use crate::dialect::{
     named, think_control, think_mode, AgentOptions, BadRequest, Dialect, ErrorKind, Gen, Input,
-    Request,
+    Request, SamplingFields,
 };
 use crate::http::{self, AppState};
 use crate::prepare::{self, Refusal};
@@ -47,9 +47,8 @@ struct Body {
     messages: Option<Vec<WireMessage>>,
     system: Option<Value>,
     max_tokens: Option<u64>,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
-    top_k: Option<u64>,
+    #[serde(flatten)]
+    sampling: SamplingFields,
     stop_sequences: Option<Vec<String>>,
     stream: Option<bool>,
     tools: Option<Value>,
@@ -122,7 +121,7 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
         }
         n => n.map(|n| n as usize),
     };
-    let sampling = crate::dialect::sampling(b.temperature, 1.0, b.top_p, b.top_k)?;
+    let sampling = b.sampling.config(1.0)?;
     let stop = b.stop_sequences.unwrap_or_default();
     if stop.iter().any(String::is_empty) {
         return Err(BadRequest::new(

@@ -48,7 +48,8 @@ pub fn sink(metrics: Arc<Metrics>, trace: Option<Arc<Trace>>) -> NoticeSink {
                         "checkpointed_tokens": r.checkpointed, "queue_s": r.queue_s,
                         "prefill_s": r.prefill_s, "decode_s": r.decode_s,
                         "generated_tokens": r.generated, "generated_text": r.generated_text,
-                        "finish_reason": r.finish.as_str(), "grammar": r.grammar,
+                        "finish_reason": r.finish.as_str(), "cancelled": r.cancelled,
+                        "grammar": r.grammar,
                         "grammar_dropped": r.grammar_dropped, "mask_s": r.mask_s,
                         "grammar_wound_down": r.grammar_wound_down, "error": r.error,
                     });

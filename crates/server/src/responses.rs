@@ -24,6 +24,7 @@ use serde_json::{json, Value};
 
 use crate::dialect::{
     named, think_mode, AgentOptions, BadRequest, Dialect, ErrorKind, Gen, Input, Request,
+    SamplingFields,
 };
 use crate::http::{run, AppState};
 use crate::openai::{bad_request_response, error_response, tool_choice};
@@ -42,8 +43,8 @@ struct Body {
     input: Option<Value>,
     instructions: Option<String>,
     max_output_tokens: Option<u64>,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
+    #[serde(flatten)]
+    sampling: SamplingFields,
     stream: Option<bool>,
     #[allow(dead_code)] // accepted so that a wrong type is still a 400
     store: Option<bool>,
@@ -179,7 +180,7 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         return Err(bad("logprobs are not supported yet", "top_logprobs"));
     }
 
-    let sampling = crate::dialect::sampling(b.temperature, 2.0, b.top_p, None)?;
+    let sampling = b.sampling.config(2.0)?;
     if b.max_output_tokens == Some(0) {
         return Err(bad(
             "max_output_tokens must be at least 1",
