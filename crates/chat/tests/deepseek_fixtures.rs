@@ -105,7 +105,7 @@ fn conversations_render_the_spec_bytes() {
             "max" => ThinkMode::Max,
             other => panic!("{other}"),
         };
-        let got = DeepSeek.render(
+        let prompt = DeepSeek.render(
             &messages,
             &RenderOptions {
                 tools: &tools,
@@ -113,6 +113,7 @@ fn conversations_render_the_spec_bytes() {
                 add_generation_prompt: true,
             },
         );
+        let got = prompt.as_str();
         if got != expected {
             let at = got
                 .bytes()

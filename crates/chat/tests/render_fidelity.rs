@@ -161,13 +161,15 @@ fn render_jinja(template: &str, messages: &[Message], tools: &[ToolSpec]) -> Str
 }
 
 fn render_ours(template: &ChatMl, messages: &[Message], tools: &[ToolSpec]) -> String {
-    template.render(
-        messages,
-        &RenderOptions {
-            tools,
-            ..Default::default()
-        },
-    )
+    template
+        .render(
+            messages,
+            &RenderOptions {
+                tools,
+                ..Default::default()
+            },
+        )
+        .into()
 }
 
 fn tools() -> Vec<ToolSpec> {

@@ -2,7 +2,7 @@
 
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -11,15 +11,17 @@ use ds4_chat::{Message, RenderOptions, Role};
 use ds4_engine::sampler::{argmax, log_softmax, top_k};
 use ds4_engine::tokenizer::StreamDecoder;
 use ds4_engine::{
-    KvType, Model, Precision, RopeRequest, Sampler, SamplerConfig, Session, SessionOptions,
-    ThreadPool,
+    DigestEvent, DigestOptions, KvType, Model, Precision, RopeRequest, Sampler, SamplerConfig,
+    Session, SessionOptions, ThreadPool,
 };
 use serde::Serialize;
 
 use crate::kvargs::KvArgs;
 use crate::{models, ModelArgs};
-use ds4_kvstore::SaveReason;
-use ds4_server::persist::Persist;
+use ds4_runtime::{
+    CacheSource, Event, Job, Notice, NoticeSink, Persist, Runtime, RuntimeConfig, TokenLimit,
+};
+use ds4_server::prepare::encode_prompt;
 
 #[derive(Args, Clone, Debug)]
 pub struct SamplingArgs {
@@ -165,7 +167,7 @@ impl ModelArgs {
     /// Loads the model at `path` with the RoPE scaling request of
     /// `--rope-scaling` / `--rope-scale`.
     pub fn load_model(&self, path: &Path) -> Result<Model> {
-        let mut model = Model::load(path).with_context(|| format!("loading {}", path.display()))?;
+        let mut model = load_hashed(path)?;
         model
             .set_rope_request(RopeRequest {
                 kind: self.rope_scaling,
@@ -192,6 +194,49 @@ impl ModelArgs {
     }
 }
 
+/// Loads the model at `path`, its tensor data's digest (the checkpoints'
+/// weights fingerprint) cached under `$DS4_HOME/fingerprints` by the file's
+/// identity; hashing a file of 1 GiB or more shows a progress bar.
+fn load_hashed(path: &Path) -> Result<Model> {
+    const SHOW_FROM: u64 = 1 << 30;
+    let bar: Mutex<Option<indicatif::ProgressBar>> = Mutex::new(None);
+    let events = |e: DigestEvent<'_>| {
+        let mut bar = bar.lock().unwrap_or_else(|e| e.into_inner());
+        match e {
+            DigestEvent::Progress { done, total } if total >= SHOW_FROM => {
+                let b = bar.get_or_insert_with(|| {
+                    indicatif::ProgressBar::new(total).with_style(
+                        indicatif::ProgressStyle::with_template(
+                            "hashing the weights (once per file) {bar:40} {bytes}/{total_bytes}, {bytes_per_sec}, eta {eta}",
+                        )
+                        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+                    )
+                });
+                b.set_position(done);
+            }
+            DigestEvent::Hashed { bytes, seconds } if bytes >= SHOW_FROM => {
+                if let Some(b) = bar.take() {
+                    b.finish_and_clear();
+                }
+                eprintln!(
+                    "hashed {:.1} GiB of weights in {seconds:.1} s (cached: later starts skip this)",
+                    bytes as f64 / (1u64 << 30) as f64
+                );
+            }
+            DigestEvent::CacheFailed(e) => {
+                eprintln!("weights fingerprint cache not used: {e}")
+            }
+            _ => {}
+        }
+    };
+    let opts = DigestOptions {
+        cache_dir: Some(models::ds4_home()?.join("fingerprints")),
+        events: &events,
+        ..DigestOptions::default()
+    };
+    Model::load_with(path, &opts).with_context(|| format!("loading {}", path.display()))
+}
+
 pub fn precision_name(p: Precision) -> &'static str {
     match p {
         Precision::Fast => "fast",
@@ -201,16 +246,21 @@ pub fn precision_name(p: Precision) -> &'static str {
 }
 
 /// Prefills, drawing a progress bar on a terminal for prompts long enough to wait on.
-fn prefill_with_bar(session: &mut Session, ids: &[u32]) -> Result<(), ds4_engine::EngineError> {
-    if ids.len() < 1024 {
-        return session.prefill(ids);
-    }
-    let bar = indicatif::ProgressBar::new(ids.len() as u64).with_style(
+/// A progress bar for a prefill of `total` tokens.
+fn prefill_bar(total: usize) -> indicatif::ProgressBar {
+    indicatif::ProgressBar::new(total as u64).with_style(
         indicatif::ProgressStyle::with_template(
             "prefill {bar:40} {pos}/{len} tokens, {per_sec}, eta {eta}",
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    )
+}
+
+fn prefill_with_bar(session: &mut Session, ids: &[u32]) -> Result<(), ds4_engine::EngineError> {
+    if ids.len() < 1024 {
+        return session.prefill(ids);
+    }
+    let bar = prefill_bar(ids.len());
     let r = session.prefill_with_progress(ids, |done, _| bar.set_position(done as u64));
     bar.finish_and_clear();
     r
@@ -368,14 +418,10 @@ pub fn run(a: &RunArgs) -> Result<()> {
 }
 
 pub fn chat(a: &ChatArgs) -> Result<()> {
-    let Loaded {
-        model, mut session, ..
-    } = load(&a.model)?;
+    let Loaded { model, session, .. } = load(&a.model)?;
     let tok = &model.tokenizer;
-    let template = ds4_server::template_for(&model)
+    let template = ds4_runtime::template_for(&model)
         .context("this model has no chat template ds4 renders (ChatML, or its family's own); use `ds4 run` for raw prompts")?;
-    let mut persist = a.kv.open(None)?.map(|store| Persist::new(store, &session));
-    let mut sampler = Sampler::new(a.sampling.config());
     let system = match (&a.system, &a.system_file) {
         (Some(s), _) => Some(s.clone()),
         (None, Some(f)) => {
@@ -383,12 +429,28 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
         }
         (None, None) => None,
     };
+    // Store and runtime notices go to stderr, a line each.
+    let notices: NoticeSink = Arc::new(|n: Notice| {
+        if !matches!(n, Notice::Planned(_) | Notice::Finished(_)) {
+            eprintln!("{n}");
+        }
+    });
+    let persist =
+        a.kv.open(None)?
+            .map(|store| Persist::new(store, &session, None, Arc::clone(&notices)));
+    let pool = Arc::clone(session.pool());
+    let runtime = Runtime::start(
+        vec![session],
+        pool,
+        persist,
+        RuntimeConfig::default(),
+        notices,
+    );
+    let mut sampling = a.sampling.config();
     let mut history: Vec<Message> = system
         .into_iter()
         .map(|s| Message::new(Role::System, s))
         .collect();
-    // The text the live session represents, to prefill only what a turn adds.
-    let mut fed = String::new();
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
     eprintln!("type a message; /reset clears the conversation, /exit quits");
@@ -404,110 +466,101 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
             "" => continue,
             "/exit" | "/quit" => break,
             "/reset" => {
-                if let Some(p) = &mut persist {
-                    p.save(&session, SaveReason::Evict);
-                }
                 history.retain(|m| m.role == Role::System);
-                session.reset();
-                fed.clear();
                 eprintln!("(conversation cleared)");
                 continue;
             }
             _ => {}
         }
         history.push(Message::new(Role::User, line));
-        let full = template.render(
+        let prompt = template.render(
             &history,
             &RenderOptions {
                 add_generation_prompt: true,
                 ..Default::default()
             },
         );
-        let t0 = Instant::now();
-        let mut restored = 0;
-        let reused_live = !session.tokens().is_empty() && full.starts_with(fed.as_str());
-        if !reused_live {
-            if let Some(p) = &mut persist {
-                p.save(&session, SaveReason::Evict);
-            }
-            session.reset();
-            fed.clear();
-            if let Some(p) = &mut persist {
-                let covered = p.restore(&mut session, full.as_bytes());
-                if full.is_char_boundary(covered) {
-                    fed = full[..covered].to_string();
-                    restored = session.tokens().len();
-                } else {
-                    session.reset();
+        let (tx, mut rx) = tokio::sync::mpsc::channel(256);
+        let job = Job {
+            id: format!("chat-{}", history.len()),
+            route: "chat".into(),
+            ids: encode_prompt(tok, &prompt),
+            prompt: prompt.into(),
+            sampling: sampling.clone(),
+            limit: TokenLimit::Default(a.sampling.n_predict),
+            stop: vec![],
+            affinity: vec![],
+            breakpoints: vec![],
+            gate: None,
+            meta: serde_json::Value::Null,
+            events: tx,
+        };
+        // Each turn draws from its own stream of the seed.
+        sampling.seed = sampling.seed.wrapping_add(1);
+        runtime
+            .handle
+            .submit(job)
+            .map_err(|e| anyhow::anyhow!("the runtime refused the turn: {e:?}"))?;
+        let t = Instant::now();
+        let mut reply = String::new();
+        let mut bar: Option<indicatif::ProgressBar> = None;
+        let mut first_token = None;
+        let mut outcome = None;
+        while let Some(e) = rx.blocking_recv() {
+            match e {
+                Event::Started(_) => {}
+                Event::Progress { prefilled, total } if total >= 1024 => {
+                    bar.get_or_insert_with(|| prefill_bar(total))
+                        .set_position(prefilled as u64);
                 }
+                Event::Progress { .. } => {}
+                Event::Text(piece) => {
+                    if let Some(b) = bar.take() {
+                        b.finish_and_clear();
+                    }
+                    first_token.get_or_insert_with(|| t.elapsed().as_secs_f64());
+                    write!(out, "{piece}")?;
+                    out.flush()?;
+                    reply.push_str(&piece);
+                }
+                Event::Done { usage, .. } => outcome = Some(Ok(usage)),
+                Event::Failed(e) => outcome = Some(Err(e)),
             }
         }
-        let restore_s = t0.elapsed().as_secs_f64();
-        let ids = tok.encode(&full[fed.len()..], false, true);
-        let t1 = Instant::now();
-        let cold = !reused_live && restored == 0;
-        let prefilled = match &mut persist {
-            Some(p) => p.prefill(&mut session, &ids, cold, &[], &mut prefill_with_bar),
-            None => prefill_with_bar(&mut session, &ids),
-        };
-        if let Err(e) = prefilled {
-            history.pop();
-            session.reset();
-            fed.clear();
-            eprintln!("error: {e}; the conversation was reset");
-            continue;
+        if let Some(b) = bar {
+            b.finish_and_clear();
         }
-        let prefill_s = t1.elapsed().as_secs_f64();
-        fed = full;
-
-        let t2 = Instant::now();
-        let mut reply = Vec::new();
-        let mut stream = StreamDecoder::default();
-        let mut n_gen = 0;
-        let mut closed_by = None;
-        while n_gen < a.sampling.n_predict {
-            let next = sampler.sample(session.logits()?);
-            n_gen += 1;
-            if tok.is_eog(next) {
-                // Feed the end-of-turn token so the session matches the rendered history.
-                closed_by = session.decode_step(next).is_ok().then_some(next);
-                break;
+        writeln!(out)?;
+        match outcome {
+            Some(Ok(usage)) => {
+                history.push(Message::new(Role::Assistant, reply));
+                let source = match usage.cache_source {
+                    CacheSource::MemoryToken | CacheSource::MemoryText => {
+                        "live session".to_string()
+                    }
+                    CacheSource::DiskText => {
+                        format!("restored {} tokens from disk", usage.cached_tokens)
+                    }
+                    CacheSource::None => "nothing reused".to_string(),
+                };
+                let total_s = t.elapsed().as_secs_f64();
+                let prefill_s = first_token.unwrap_or(total_s);
+                let decode_s = (total_s - prefill_s).max(1e-9);
+                eprintln!(
+                    "[{source}; prefilled {} tokens in {prefill_s:.2} s; {} generated at {:.1} t/s; {} in context]",
+                    usage.prompt_tokens - usage.cached_tokens,
+                    usage.completion_tokens,
+                    usage.completion_tokens.saturating_sub(1) as f64 / decode_s,
+                    usage.prompt_tokens + usage.completion_tokens,
+                );
             }
-            let piece = tok.token_piece(next, false);
-            reply.extend_from_slice(piece);
-            write!(out, "{}", stream.push(piece))?;
-            out.flush()?;
-            if let Err(e) = session.decode_step(next) {
-                eprintln!("\n(stopped: {e})");
-                break;
+            Some(Err(e)) => {
+                history.pop();
+                eprintln!("error: {e}");
             }
-            if let Some(p) = &mut persist {
-                p.after_decode(&session);
-            }
+            None => bail!("the runtime stopped"),
         }
-        writeln!(out, "{}", stream.finish())?;
-        let reply = String::from_utf8_lossy(&reply).into_owned();
-        fed.push_str(&reply);
-        if let Some(end) = closed_by {
-            fed.push_str(&String::from_utf8_lossy(tok.token_piece(end, true)));
-        }
-        history.push(Message::new(Role::Assistant, reply));
-        let source = match (reused_live, restored) {
-            (true, _) => "live session".to_string(),
-            (false, 0) => "nothing reused".to_string(),
-            (false, n) => format!("restored {n} tokens from disk in {:.0} ms", restore_s * 1e3),
-        };
-        eprintln!(
-            "[{source}; prefilled {} tokens in {:.2} s; {} generated at {:.1} t/s; {} in context]",
-            ids.len(),
-            prefill_s,
-            n_gen,
-            n_gen as f64 / t2.elapsed().as_secs_f64().max(1e-9),
-            session.tokens().len()
-        );
     }
-    if let Some(p) = &mut persist {
-        p.save(&session, SaveReason::Shutdown);
-    }
+    runtime.join();
     Ok(())
 }

@@ -24,9 +24,10 @@ pub enum KvAction {
         /// The file's SHA-1 name, or a unique prefix of it.
         hash: String,
     },
-    /// Read every checkpoint in full and check sizes and checksums.
+    /// Read every checkpoint in full and check sizes and checksums (changes
+    /// nothing on disk).
     Verify {
-        /// Delete the files that fail.
+        /// Delete the files that fail, and stale temp files of dead writers.
         #[arg(long)]
         fix: bool,
     },
@@ -44,9 +45,15 @@ pub fn run(cmd: &KvCommand) -> Result<()> {
         Some(d) => d.clone(),
         None => crate::models::ds4_home()?.join("kv"),
     };
-    // A huge budget: inspecting the store must never evict from it.
+    // Inspecting changes nothing on disk (no temp file removed, no directory
+    // created); a huge budget: maintenance never evicts either.
+    let inspect = matches!(
+        cmd.action,
+        KvAction::Ls | KvAction::Show { .. } | KvAction::Verify { fix: false }
+    );
     let config = StoreConfig {
         budget_bytes: u64::MAX,
+        read_only: inspect,
         ..StoreConfig::default()
     };
     let store = Store::open(&dir, config).with_context(|| format!("opening {}", dir.display()))?;

@@ -5,7 +5,6 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 use ds4_kvstore::{SavePolicy, Store, StoreConfig};
-use ds4_server::persist::report_notices;
 
 /// Disk checkpoint flags (names as in the original system).
 #[derive(Args, Clone, Debug)]
@@ -56,6 +55,7 @@ impl KvArgs {
             budget_bytes: self.kv_disk_space_mb.saturating_mul(1 << 20),
             policy,
             reject_different_quant: self.kv_cache_reject_different_quant,
+            ..StoreConfig::default()
         })
     }
 
@@ -83,7 +83,10 @@ impl KvArgs {
             p.trim_tokens,
             p.align_tokens
         );
-        report_notices(&store);
+        // What opening found (damaged files skipped, stale temp files).
+        for n in store.drain_notices() {
+            eprintln!("{n}");
+        }
         Ok(Some(store))
     }
 }

@@ -5,13 +5,13 @@ use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use ds4_kvstore::Store;
+use ds4_runtime::{Persist, Runtime, RuntimeConfig, ToolMemory};
 use ds4_server::metrics::Metrics;
-use ds4_server::persist::Persist;
-use ds4_server::tooling::ToolMemory;
 use ds4_server::trace::Trace;
-use ds4_server::{router, ServerConfig, Worker};
+use ds4_server::{default_body_limit, router, ConnEvent, Limits, ServerConfig};
 
 use crate::generate::{load, Loaded};
 use crate::kvargs::KvArgs;
@@ -34,12 +34,37 @@ pub struct ServeArgs {
     /// Send CORS headers (any origin).
     #[arg(long)]
     pub cors: bool,
-    /// Requests waiting for the engine before new ones get 503.
+    /// Requests waiting for a slot (every slot busy) before new ones get 503
+    /// with Retry-After.
     #[arg(long, default_value_t = 16)]
     pub queue_max: usize,
-    /// Largest accepted request body.
-    #[arg(long, default_value_t = 64 << 20)]
-    pub max_body_bytes: usize,
+    /// Largest accepted request body, in bytes (413 above it). Default: what a
+    /// full context can need, 6 bytes of JSON for each byte of --ctx tokens of
+    /// the longest token (at least 1 MiB; 1.9 MiB at --ctx 4096 with SmolLM2).
+    #[arg(long, value_name = "BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Seconds a request's headers may take from their first byte (slow
+    /// clients are closed).
+    #[arg(long, default_value_t = 10.0, value_name = "SECS", value_parser = positive_secs)]
+    pub header_timeout: f64,
+    /// Seconds a request's body may take to arrive (408 after).
+    #[arg(long, default_value_t = 60.0, value_name = "SECS", value_parser = positive_secs)]
+    pub body_timeout: f64,
+    /// Seconds a kept-alive connection may stay idle between requests.
+    #[arg(long, default_value_t = 30.0, value_name = "SECS", value_parser = positive_secs)]
+    pub idle_timeout: f64,
+    /// Seconds a response may stay unwritable (the client stopped reading)
+    /// before its connection is closed and its generation stopped.
+    #[arg(long, default_value_t = 60.0, value_name = "SECS", value_parser = positive_secs)]
+    pub send_timeout: f64,
+    /// Open connections at most; past it new ones get 503 and are closed.
+    #[arg(long, default_value_t = 256, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+    /// When listening on loopback, also answer requests whose Host header names
+    /// HOST (any port). Other names than loopback ones get 403, so a web page
+    /// cannot reach the server by rebinding its own DNS name (repeatable).
+    #[arg(long, value_name = "HOST")]
+    pub allowed_host: Vec<String>,
     /// Tokens generated when a request sets no limit.
     #[arg(short = 'n', long = "tokens", default_value_t = 2048)]
     pub default_max_tokens: usize,
@@ -64,11 +89,21 @@ pub struct ServeArgs {
     /// rendering (repeatable).
     #[arg(long, value_name = "REGEX", conflicts_with = "no_normalize_prompts")]
     pub normalize_regex: Vec<String>,
-    /// Context of the side slot that serves short requests sharing nothing with
-    /// the live conversation (title generation, quota checks), so they do not
-    /// evict it; 0 disables the side slot.
-    #[arg(long, default_value_t = 4096, value_name = "TOKENS")]
-    pub side_ctx: usize,
+    /// Sessions kept at once (slots), each of --ctx tokens: a request goes to
+    /// the slot holding the longest reusable prefix of it, else to the slot its
+    /// conversation's keys name, else to the least valuable one. The default
+    /// serves a conversation, two parallel subagents and side requests (titles,
+    /// quota checks) without evicting the conversation. Busy slots advance
+    /// together in one batched forward pass.
+    #[arg(long = "batched-session", default_value_t = 4, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub slots: u32,
+    /// Prompt tokens a prefilling slot runs per step while other slots
+    /// generate (a long cold prompt then delays their tokens by one such step
+    /// at most); with nothing generating it runs whole --prefill-chunk steps.
+    #[arg(long, default_value_t = 128, value_name = "TOKENS",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub mixed_prefill_quantum: u32,
 }
 
 pub fn run(a: &ServeArgs) -> Result<()> {
@@ -89,11 +124,6 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         a.tool_memory_max_ids
     };
     let tool_memory = Arc::new(ToolMemory::new(max_ids, lookup));
-    let persist = store.map(|s| {
-        let mut p = Persist::new(s, &session);
-        p.tool_memory = Some(Arc::clone(&tool_memory));
-        p
-    });
     let metrics = Arc::new(Metrics::default());
     let trace = match &a.trace {
         Some(f) => Some(Arc::new(
@@ -102,19 +132,60 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         )),
         None => None,
     };
+    let notices = ds4_server::notices::sink(Arc::clone(&metrics), trace.clone());
+    let persist = store.map(|s| {
+        Persist::new(
+            s,
+            &session,
+            Some(Arc::clone(&tool_memory)),
+            Arc::clone(&notices),
+        )
+    });
     let n_ctx = session.n_ctx();
-    let worker = Worker::start(
-        session,
-        persist,
-        a.side_ctx,
-        a.queue_max,
-        Arc::clone(&metrics),
-        trace.clone(),
+    let pool = Arc::clone(session.pool());
+    let mut sessions = vec![session];
+    while sessions.len() < a.slots as usize {
+        let s = sessions[0].sibling(n_ctx);
+        sessions.push(s);
+    }
+    let per_slot = sessions[0].state_memory_bytes();
+    eprintln!(
+        "ds4 serve: {} slots of {n_ctx} tokens: {:.0} MiB of K/V each, {:.0} MiB in all (pages are \
+         taken as they are written)",
+        sessions.len(),
+        per_slot as f64 / (1 << 20) as f64,
+        (per_slot * sessions.len() as u64) as f64 / (1 << 20) as f64
     );
+    let runtime = Runtime::start(
+        sessions,
+        pool,
+        persist,
+        RuntimeConfig {
+            prefill_quantum: a.mixed_prefill_quantum as usize,
+            queue_max: a.queue_max,
+        },
+        notices,
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let addr = format!("{}:{}", a.host, a.port);
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(&addr))
+        .with_context(|| format!("listening on {addr}"))?;
+    let local = listener.local_addr()?;
+    let loopback = local.ip().is_loopback();
+    if !loopback && !a.allowed_host.is_empty() {
+        eprintln!("ds4 serve: --allowed-host has no effect: {local} is not loopback, every Host is answered");
+    }
     let cfg = ServerConfig {
         api_key: a.api_key.clone(),
         cors: a.cors,
         max_body_bytes: a.max_body_bytes,
+        body_timeout: Duration::from_secs_f64(a.body_timeout),
+        allowed_hosts: loopback.then(|| a.allowed_host.clone()),
         default_max_tokens: a.default_max_tokens,
         model_name: path
             .file_stem()
@@ -122,40 +193,62 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         normalize: (!a.no_normalize_prompts).then(|| a.normalize_regex.clone()),
         n_ctx,
     };
+    let max_body = cfg
+        .max_body_bytes
+        .unwrap_or_else(|| default_body_limit(&model.tokenizer, n_ctx));
     let app = router(
         cfg,
-        worker.handle.clone(),
+        runtime.handle.clone(),
         model,
-        metrics,
+        Arc::clone(&metrics),
         tool_memory,
         trace,
     )
     .context("invalid --normalize-regex pattern")?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    let handle = worker.handle.clone();
+    let limits = Limits {
+        max_connections: a.max_connections as usize,
+        idle: Duration::from_secs_f64(a.idle_timeout),
+        header: Duration::from_secs_f64(a.header_timeout),
+        send: Duration::from_secs_f64(a.send_timeout),
+    };
+    eprintln!(
+        "ds4 serve: bodies up to {max_body} bytes; at most {} connections; timeouts: headers {} s, \
+         bodies {} s, idle {} s, send {} s",
+        limits.max_connections, a.header_timeout, a.body_timeout, a.idle_timeout, a.send_timeout
+    );
+    let handle = runtime.handle.clone();
     rt.block_on(async move {
-        let addr = format!("{}:{}", a.host, a.port);
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .with_context(|| format!("listening on {addr}"))?;
-        eprintln!("ds4 serve: listening on http://{}", listener.local_addr()?);
+        eprintln!("ds4 serve: listening on http://{local}");
         let shutdown = async move {
             wait_for_signal().await;
             eprintln!("ds4 serve: shutting down (finishing in-flight requests, then saving)");
             handle.begin_shutdown();
         };
-        ds4_server::serve(listener, app, shutdown)
+        let report = move |e: ConnEvent| match e {
+            ConnEvent::Refused { open } => {
+                // One line per hundred: a flood must not flood the log too.
+                if metrics.connection_refused() % 100 == 1 {
+                    eprintln!("ds4 serve: refusing connections: {open} open (--max-connections)");
+                }
+            }
+            ConnEvent::AcceptFailed(e) => eprintln!("ds4 serve: accept failed: {e}"),
+        };
+        ds4_server::serve(listener, app, limits, report, shutdown)
             .await
             .context("serving")
     })?;
     drop(rt);
-    worker.join();
+    runtime.join();
     eprintln!("ds4 serve: stopped");
     Ok(())
+}
+
+/// A timeout flag: a positive, finite number of seconds.
+fn positive_secs(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() && v < 1e9 => Ok(v),
+        _ => Err(format!("{s:?} is not a positive number of seconds")),
+    }
 }
 
 async fn wait_for_signal() {

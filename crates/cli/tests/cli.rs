@@ -723,3 +723,42 @@ fn perplexity_small_chunks_and_rope_flags() {
         assert!(stderr(&out).contains(message), "{args:?}: {}", stderr(&out));
     }
 }
+
+/// `ds4 kv ls` and `ds4 kv verify` change nothing on disk: a stale temp file
+/// of a dead writer stays (and is named), a missing directory is not created;
+/// `verify --fix` removes the temp file.
+#[test]
+fn kv_inspection_changes_nothing_on_disk() {
+    let dir = std::env::temp_dir().join(format!("ds4-kv-inspect-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let stale = dir.join(format!("{}.kv.tmp.4000000000", "a".repeat(40)));
+    std::fs::write(&stale, b"partial").unwrap();
+    let kv_arg = ["--kv-disk-dir", dir.to_str().unwrap()];
+    let listing = || {
+        let mut v: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| {
+                let e = e.unwrap();
+                (e.file_name(), e.metadata().unwrap().modified().unwrap())
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let before = listing();
+    for action in [&["kv", "ls"][..], &["kv", "verify"][..]] {
+        let out = run_ok(&[action, &kv_arg].concat());
+        assert!(stderr(&out).contains("stale temp"), "{}", stderr(&out));
+        assert_eq!(listing(), before, "{action:?} changed the directory");
+    }
+    let fixed = run_ok(&[&["kv", "verify", "--fix"][..], &kv_arg].concat());
+    assert!(!stale.exists(), "{}", stderr(&fixed));
+    let missing = dir.join("missing");
+    let out = ds4()
+        .args(["kv", "ls", "--kv-disk-dir", missing.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && !missing.exists());
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -312,14 +312,16 @@ fn api_key_is_required_when_set() {
 
 #[test]
 fn a_client_that_disconnects_mid_stream_cancels_and_leaves_the_session_usable() {
-    let srv = Server::start(&["--no-kv-disk"]);
+    let dir = temp_dir("cancel");
+    let trace = dir.join("trace.jsonl");
+    let srv = Server::start(&["--no-kv-disk", "--trace", trace.to_str().unwrap()]);
     let body =
         json!({"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "stream": true})
             .to_string();
     let mut s = TcpStream::connect(("127.0.0.1", srv.port)).unwrap();
     write!(
         s,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
@@ -358,6 +360,20 @@ fn a_client_that_disconnects_mid_stream_cancels_and_leaves_the_session_usable() 
         .parse()
         .unwrap();
     assert!(generated < 2000, "{first}");
+    // Traced as cancelled (and why), not as the `length` it never reached.
+    assert!(
+        first.contains("finish=cancelled (the client went away)"),
+        "{first}"
+    );
+    let traced: Value = std::fs::read_to_string(&trace)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|l| l["event"] == "request")
+        .unwrap();
+    assert_eq!(traced["finish_reason"], "cancelled", "{traced}");
+    assert_eq!(traced["cancelled"], "the client went away");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -585,8 +601,8 @@ fn a_short_unrelated_request_does_not_evict_the_live_conversation() {
     assert!(cached >= turn1 - 1, "reused {cached} of {turn1}: {cache}");
     srv.stop();
 
-    // Without the side slot the side request takes the only session.
-    let srv = Server::start(&["--no-kv-disk", "--side-ctx", "0"]);
+    // With one slot the side request takes the only session.
+    let srv = Server::start(&["--no-kv-disk", "--batched-session", "1"]);
     let (turn1, r2) = conversation_around_a_side_request(srv.port);
     let cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
@@ -613,9 +629,9 @@ fn a_prompt_cache_key_keeps_its_requests_on_their_slot() {
         None,
     )
     .json();
-    // The key's first request is short and unrelated: the side slot. Its next
+    // The key's first request is short and unrelated: an empty slot. Its next
     // request shares the main conversation's system prompt, but the key keeps it
-    // on the side slot, so the main conversation is not cut back.
+    // on that slot, so the main conversation is not cut back.
     chat(json!([{"role": "user", "content": "quota"}]), Some("k"));
     chat(
         json!([{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}]),

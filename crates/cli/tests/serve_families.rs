@@ -72,9 +72,9 @@ fn gemma3_ring_checkpoints_restore_across_a_restart_and_never_cross_families() {
     let dir = temp_dir("gemma3");
     let kv = dir.join("kv");
     let g = model_arg(ds4_testdata::GEMMA3);
-    // No side slot: the diverged request must land on the live conversation.
+    // One slot: the diverged request must land on the live conversation.
     let args = [
-        &["-m", g.as_str(), "--side-ctx", "0"][..],
+        &["-m", g.as_str(), "--batched-session", "1"][..],
         &kv_flags(&kv)[..],
     ]
     .concat();
@@ -105,7 +105,7 @@ fn gemma3_ring_checkpoints_restore_across_a_restart_and_never_cross_families() {
     );
 
     // The uninterrupted session, on a server without a store.
-    let fresh = Server::start(&["-m", &g, "--no-kv-disk", "--side-ctx", "0"]);
+    let fresh = Server::start(&["-m", &g, "--no-kv-disk", "--batched-session", "1"]);
     assert_eq!(complete(fresh.port, &prompt, 12).0, cold);
     let turn2 = format!("{prompt}{cold}");
     let (x0, src, _) = complete(fresh.port, &turn2, 12);

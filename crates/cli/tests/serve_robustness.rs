@@ -981,7 +981,7 @@ fn health_depth(port: u16) -> u64 {
 
 #[test]
 fn a_full_queue_answers_503_with_retry_after_in_each_dialect_then_recovers() {
-    let srv = Server::start(&["--no-kv-disk", "--queue-max", "1"]);
+    let srv = Server::start(&["--no-kv-disk", "--queue-max", "1", "--batched-session", "1"]);
     let p = srv.port;
 
     // A long generation holds the engine: wait for its first token.
@@ -1120,10 +1120,11 @@ fn a_full_queue_answers_503_with_retry_after_in_each_dialect_then_recovers() {
 #[test]
 fn a_long_prefill_streams_keep_alive_comments_before_the_first_token() {
     let srv = Server::start(&["--no-kv-disk"]);
-    // About 1500 tokens: a prefill of well over 5 s at one thread (the interval
-    // of the keep-alive comments) on any machine this runs on. The test hangs up
-    // at the first comment, so it waits about 5 s, not for the whole prefill.
-    let prompt: String = (0..95)
+    // About 3800 tokens: a prefill of well over 5 s at one thread (the interval
+    // of the keep-alive comments) on any machine this runs on (the AVX-512 tier
+    // prefills ~1500 tokens in under 4 s). The test hangs up at the first
+    // comment, so it waits about 5 s, not for the whole prefill.
+    let prompt: String = (0..230)
         .map(|i| {
             format!(
                 "Note {i}: the river bends where the {} old mills stand. ",

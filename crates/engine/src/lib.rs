@@ -16,6 +16,7 @@ mod state;
 pub mod tokenizer;
 
 pub use batch::Batch;
+pub use ds4_gguf::{DigestEvent, DigestOptions};
 pub use ds4_kernels::pool::{default_threads, ThreadPool};
 pub use ds4_kernels::{available_kernel_tiers, kernel_tier, requested_kernel_tier};
 pub use error::{EngineError, Result};

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use ds4_gguf::{GgmlType, Gguf, TensorInfo};
+use ds4_gguf::{DigestOptions, GgmlType, Gguf, TensorInfo};
 use ds4_kernels::act16::F2Matrix;
 use ds4_kernels::matmul::WeightMatrix;
 use ds4_kernels::WeightFormat;
@@ -327,17 +327,20 @@ impl<'g> Binder<'g> {
 }
 
 /// What a checkpoint must match to be loaded into a model: 16 bytes naming the
-/// architecture, hyper-parameters, tokenizer, model identity and tensor shapes, and
+/// architecture, hyper-parameters, tokenizer, model identity and tensor shapes,
 /// 8 bytes naming the quantization (tensor types), which may differ between
-/// checkpoints of the same model unless the operator forbids it.
+/// checkpoints of the same model unless the operator forbids it, and 16 bytes
+/// naming the tensor data itself ([`Gguf::data_digest`]), which must match
+/// within one quantization.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Fingerprint {
     pub model: [u8; 16],
     pub quant: [u8; 8],
+    pub weights: [u8; 16],
 }
 
 impl Fingerprint {
-    fn of(g: &Gguf, arch: &str) -> Self {
+    fn of(g: &Gguf, arch: &str, weights: [u8; 16]) -> Self {
         use xxhash_rust::xxh3::Xxh3;
         const IDENTITY: &[&str] = &[
             "general.architecture",
@@ -370,6 +373,7 @@ impl Fingerprint {
         Fingerprint {
             model: model.digest128().to_le_bytes(),
             quant: quant.digest().to_le_bytes(),
+            weights,
         }
     }
 }
@@ -390,14 +394,24 @@ pub struct Model {
 }
 
 impl Model {
-    /// Maps and validates the GGUF at `path`.
+    /// Maps and validates the GGUF at `path`, hashing its tensor data.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
-        Self::from_gguf(Gguf::open(path)?)
+        Self::load_with(path, &DigestOptions::default())
+    }
+
+    /// [`Model::load`], with the tensor data's digest taken from (and kept in) a
+    /// cache and its progress reported, as `digest` says.
+    pub fn load_with(path: impl AsRef<Path>, digest: &DigestOptions<'_>) -> Result<Self> {
+        Self::from_gguf_with(Gguf::open(path)?, digest)
     }
 
     /// Dispatches on `general.architecture` to the family registry; an
     /// architecture no family runs fails here, listing the ones that do.
     pub fn from_gguf(gguf: Gguf) -> Result<Self> {
+        Self::from_gguf_with(gguf, &DigestOptions::default())
+    }
+
+    fn from_gguf_with(gguf: Gguf, digest: &DigestOptions<'_>) -> Result<Self> {
         let arch = gguf.get_str("general.architecture")?;
         let entry = models::entry_for(arch)?;
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
@@ -412,7 +426,8 @@ impl Model {
             }
         }
         let (family, f2) = (entry.bind)(&gguf, &hparams)?;
-        let fingerprint = Fingerprint::of(&gguf, &hparams.arch);
+        // After binding, so a wrong file fails before its data is read.
+        let fingerprint = Fingerprint::of(&gguf, &hparams.arch, gguf.data_digest(digest));
         Ok(Model {
             gguf,
             hparams,

@@ -198,6 +198,11 @@ impl Session {
         &self.model
     }
 
+    /// The threads its forward passes run on.
+    pub fn pool(&self) -> &Arc<ThreadPool> {
+        &self.pool
+    }
+
     pub fn n_ctx(&self) -> usize {
         self.state.n_ctx()
     }

@@ -219,6 +219,23 @@ fn layout_errors_name_the_tensor() {
     );
 }
 
+/// The fingerprint names the tensor data: a model whose bytes differ in one
+/// quant has the same layout and quantization fingerprints and other weights.
+#[test]
+fn the_fingerprint_covers_the_weight_bytes() {
+    let a = tiny().fingerprint;
+    assert_eq!(tiny().fingerprint, a, "deterministic");
+    let (m, mut t) = tiny_parts();
+    let q = t
+        .iter_mut()
+        .find(|t| t.name == "blk.1.ffn_up.weight")
+        .unwrap();
+    q.data[7] ^= 0x10;
+    let b = build(m, t).unwrap().fingerprint;
+    assert_eq!((b.model, b.quant), (a.model, a.quant));
+    assert_ne!(b.weights, a.weights);
+}
+
 #[test]
 fn hyper_parameter_errors_name_the_key() {
     let e = broken(|m, _| m.retain(|(k, _)| k != "llama.attention.head_count_kv"));

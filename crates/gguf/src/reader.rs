@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use crate::digest::FileIdentity;
 use crate::error::{GgufError, Result};
 use crate::types::GgmlType;
 use crate::value::{Value, ValueType};
@@ -56,6 +57,8 @@ impl Backing {
 pub struct Gguf {
     backing: Backing,
     path: Option<PathBuf>,
+    /// The opened file's identity (the digest cache's key).
+    identity: Option<FileIdentity>,
     pub version: u32,
     pub alignment: u64,
     /// Metadata in file order.
@@ -76,12 +79,15 @@ impl Gguf {
             source,
         };
         let file = File::open(path).map_err(io)?;
+        // Of the file opened, not of whatever the path names later.
+        let identity = FileIdentity::of(&file.metadata().map_err(io)?);
         // SAFETY: the mapping is read-only and private to this process; GGUF files are
         // not modified while a model is loaded (the same contract llama.cpp relies on).
         // Every access goes through bounds checks against the mapping's length.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
         let mut g = Self::parse(Backing::Mmap(map))?;
         g.path = Some(path.to_path_buf());
+        g.identity = Some(identity);
         Ok(g)
     }
 
@@ -93,6 +99,11 @@ impl Gguf {
     /// The file this was opened from, if any.
     pub fn path(&self) -> Option<&Path> {
         self.path.as_deref()
+    }
+
+    /// The identity of the file this was opened from, if any.
+    pub fn identity(&self) -> Option<FileIdentity> {
+        self.identity
     }
 
     /// The whole file image.
@@ -237,6 +248,7 @@ impl Gguf {
         Ok(Gguf {
             backing,
             path: None,
+            identity: None,
             version,
             alignment,
             metadata,

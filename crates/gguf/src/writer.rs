@@ -83,6 +83,17 @@ impl GgufWriter {
 
     /// Serializes the file image.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let (mut out, offsets) = self.header()?;
+        let data_start = out.len();
+        for (t, off) in self.tensors.iter().zip(offsets) {
+            out.resize(data_start + off as usize, 0);
+            out.extend_from_slice(&t.data);
+        }
+        Ok(out)
+    }
+
+    /// The header, padded to the data section, and each tensor's offset in it.
+    fn header(&self) -> Result<(Vec<u8>, Vec<u64>)> {
         let align = self.alignment();
         let mut out = Vec::new();
         out.extend_from_slice(&GGUF_MAGIC);
@@ -109,23 +120,28 @@ impl GgufWriter {
         }
         let data_start = (out.len() as u64).div_ceil(align) * align;
         out.resize(data_start as usize, 0);
-        for (t, off) in self.tensors.iter().zip(offsets) {
-            out.resize((data_start + off) as usize, 0);
-            out.extend_from_slice(&t.data);
-        }
-        Ok(out)
+        Ok((out, offsets))
     }
 
-    /// Writes the file image to `path`.
+    /// Writes the file image to `path`, streaming each tensor's data (no copy
+    /// of the whole image is made).
     pub fn write_to(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        let bytes = self.to_bytes()?;
         let io = |source| GgufError::Io {
             path: path.to_path_buf(),
             source,
         };
-        let mut f = std::fs::File::create(path).map_err(io)?;
-        f.write_all(&bytes).map_err(io)?;
+        let (head, offsets) = self.header()?;
+        let f = std::fs::File::create(path).map_err(io)?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+        w.write_all(&head).map_err(io)?;
+        let mut at = 0u64;
+        for (t, off) in self.tensors.iter().zip(offsets) {
+            w.write_all(&vec![0; (off - at) as usize]).map_err(io)?;
+            w.write_all(&t.data).map_err(io)?;
+            at = off + t.data.len() as u64;
+        }
+        let f = w.into_inner().map_err(|e| io(e.into_error()))?;
         f.sync_all().map_err(io)
     }
 }

@@ -26,8 +26,9 @@
 //! A block holding an infinity or NaN gets `s = NaN`, so the result is NaN as it
 //! would be in f32; its quants are unspecified. The batched product applies the
 //! same order to every (row, token) pair, so a batch gives bit for bit what the
-//! tokens one at a time give. The AVX2 versions (`x86/avx2.rs`) are tested equal
-//! to these references bit for bit (`tier_parity.rs`).
+//! tokens one at a time give. The AVX2 and AVX-512 versions (`x86/avx2.rs`,
+//! `x86/avx512/act16.rs`) are tested equal to these references bit for bit
+//! (`tier_parity.rs`).
 
 use crate::f16::fp16_to_fp32;
 use crate::f32::reduce_lanes;
@@ -52,6 +53,16 @@ pub struct Act16 {
     scale: Vec<f32>,
     /// Per row [`stride`] values: the blocks' `σ = s·Σq`, then zeros.
     sum: Vec<f32>,
+    /// Which fill this is: distinct for every fill in the process (0 before
+    /// the first), so that a kernel may keep its own arrangement of these
+    /// values across calls with the same activations ([`Self::fill_id`]).
+    fill_id: u64,
+}
+
+/// Gives each fill of an [`Act16`] its id.
+fn next_fill_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// One row of [`Act16`]: `q` holds `32·nb` quants; `scale` and `sum` hold the
@@ -95,12 +106,18 @@ impl Act16 {
         {
             quantize_row(xr, qr, &mut sr[..nb], &mut gr[..nb]);
         }
-        (self.n, self.rows) = (n, rows);
+        (self.n, self.rows, self.fill_id) = (n, rows, next_fill_id());
     }
 
     /// Row length in elements (0 before the first fill).
     pub fn n(&self) -> usize {
         self.n
+    }
+
+    /// The id of the current fill: two `Act16` with the same id hold the same
+    /// values (one was cloned from the other after that fill).
+    pub(crate) fn fill_id(&self) -> u64 {
+        self.fill_id
     }
 
     /// Rows held.
@@ -142,6 +159,7 @@ impl Act16 {
             scale: pad(scale),
             sum: pad(sum),
             q,
+            fill_id: next_fill_id(),
         }
     }
 }

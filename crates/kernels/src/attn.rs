@@ -1,9 +1,10 @@
 //! Attention kernels: one query against one tile of K/V rows, as a step of an
 //! online softmax, with K/V stored as f32 or f16 (IEEE binary16 bits, `u16`).
 //!
-//! The scalar functions here define the arithmetic; the AVX2 versions
-//! (`x86/avx2.rs`) compute the same bits for every finite input (tested in
-//! `tier_parity.rs`), so a session's results do not depend on the tier.
+//! The scalar functions here define the arithmetic; the AVX2 and AVX-512
+//! versions (`x86/avx2.rs`, `x86/avx512/attn.rs`) compute the same bits for
+//! every finite input (tested in `tier_parity.rs`), so a session's results do
+//! not depend on the tier.
 //!
 //! One step ([`attn_tile_ref`]) over positions `p` of a tile, for a query `q` of
 //! `hd` elements and a running state `(m, l, acc)`:

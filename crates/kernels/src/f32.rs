@@ -53,7 +53,8 @@ pub fn vec_dot_f32(x: &[f32], y: &[f32]) -> f32 {
 /// `Σ x[i]·y[i]` in the fastest order the selected tier offers, with fused
 /// multiply-adds where the CPU has them. Deterministic for a given tier, but
 /// the tiers differ in the last bits: scalar is [`vec_dot_f32_ref`]; AVX2
-/// is described in `x86/avx2.rs` (`dot_f32_fused`).
+/// (and AVX-512, which runs the same kernel) is described in `x86/avx2.rs`
+/// (`dot_f32_fused`).
 ///
 /// # Panics
 /// If the lengths differ.

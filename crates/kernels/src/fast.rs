@@ -3,8 +3,9 @@
 //! [`crate::act16`]): weights dequantized exactly and dotted with f32
 //! activations using fused multiply-adds, in one fixed order that every tier and
 //! every batch size reproduces bit for bit. These scalar functions are that
-//! order's definition; the AVX2 versions (`x86/avx2.rs`) are tested equal to them
-//! bit for bit (`tier_parity.rs`), and the batched product (`matmul::matmul_fast`)
+//! order's definition; the AVX2 and AVX-512 versions (`x86/avx2.rs`,
+//! `x86/avx512/fast.rs`) are tested equal to them bit for bit
+//! (`tier_parity.rs`), and the batched product (`matmul::matmul_fast`)
 //! gives exactly what the single-token one does, so chunked prefill and
 //! token-by-token decoding agree bitwise. Attention scores use the same order.
 //!

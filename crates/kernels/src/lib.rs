@@ -16,7 +16,7 @@
 //! [`f32::vec_dot_f32`], Q4_1/Q8_0 dequantization and Q8_0 activation
 //! quantization) have SIMD versions (`x86/`). One `Kernels` table is chosen
 //! at first use by runtime feature detection, capped by the environment
-//! variable `DS4_KERNELS` (`scalar` or `avx2`; read once), and every call goes
+//! variable `DS4_KERNELS` (`scalar`, `avx2` or `avx512`; read once), and every call goes
 //! through it. Every tier is bit-identical to the scalar references, so the
 //! choice changes speed only; [`kernel_tier`] names it. The one exception is
 //! [`f32::vec_dot_f32_fused`], whose summation order is each tier's own.
@@ -227,14 +227,17 @@ pub fn vec_dot_iq2_xxs_q8_k(x: &[iq2_xxs::BlockIQ2_XXS], y: &[BlockQ8_K]) -> f32
 }
 
 /// Every tier name, lowest first: what `DS4_KERNELS` accepts.
-const TIER_NAMES: [&str; 2] = ["scalar", "avx2"];
+const TIER_NAMES: [&str; 3] = ["scalar", "avx2", "avx512"];
 
 /// The tiers this CPU can run, lowest first (always starts with [`SCALAR`]).
 pub(crate) fn available_tiers() -> Vec<&'static Kernels> {
     #[allow(unused_mut)]
     let mut tiers = vec![&SCALAR];
     #[cfg(target_arch = "x86_64")]
-    tiers.extend(x86::avx2());
+    {
+        tiers.extend(x86::avx2());
+        tiers.extend(x86::avx512());
+    }
     tiers
 }
 
@@ -281,10 +284,11 @@ fn requested_tier() -> Result<&'static Kernels, String> {
     select_tier(request.as_deref(), &available_tiers())
 }
 
-/// The name of the kernel tier in use: `"avx2"` (AVX2 + F16C, x86_64) or
-/// `"scalar"`. The first call picks it: the best the CPU supports, capped by
-/// the environment variable `DS4_KERNELS` (`scalar` or `avx2`) if set. Call it
-/// at start-up so that a bad `DS4_KERNELS` fails there.
+/// The name of the kernel tier in use: `"avx512"` (AVX-512 F/BW/VL/VNNI,
+/// x86_64), `"avx2"` (AVX2 + FMA + F16C, x86_64) or `"scalar"`. The first call
+/// picks it: the best the CPU (and OS) support, capped by the environment
+/// variable `DS4_KERNELS` (`scalar`, `avx2` or `avx512`) if set. Call it at
+/// start-up so that a bad `DS4_KERNELS` fails there.
 ///
 /// # Panics
 /// If `DS4_KERNELS` is set to something other than a tier name.

@@ -2,9 +2,9 @@
 //! CPU numerics): `out[r] = vec_dot(w_r, y)` for rows held back to back, each row
 //! exactly the scalar dot product of its format ([`crate::q4_1::vec_dot_q4_1_q8_0`],
 //! [`crate::q8_0::vec_dot_q8_0_q8_0`]). These loops are the references; the fast
-//! tiers (`x86/avx2.rs`) run several rows at once, sharing each activation block
-//! and its per-block terms between them, and are tested equal bit for bit
-//! (`tier_parity.rs`).
+//! tiers (`x86/avx2.rs`; `x86/avx512/q8.rs` for packed Q4_1 rows) run several
+//! rows at once, sharing each activation block and its per-block terms between
+//! them, and are tested equal bit for bit (`tier_parity.rs`).
 
 use crate::act16::F2Rows;
 use crate::q4_1::{vec_dot_q4_1_q8_0, BlockQ4_1};

@@ -402,7 +402,8 @@ fn dot_f32_fused_avx2_spec(x: &[f32], y: &[f32]) -> f32 {
 }
 
 /// The fused dot is each tier's own fixed order: scalar is the reference,
-/// AVX2 its documented 4×8-lane FMA order. All are close to the f64 dot.
+/// AVX2 (and AVX-512, which runs the AVX2 kernel) its documented 4×8-lane FMA
+/// order. All are close to the f64 dot.
 #[test]
 fn vec_dot_f32_fused_follows_each_tiers_order() {
     let mut rng = XorShift::new(145);
@@ -417,7 +418,7 @@ fn vec_dot_f32_fused_follows_each_tiers_order() {
             let got = (k.vec_dot_f32_fused)(&x, &y);
             let want = match k.tier {
                 "scalar" => crate::f32::vec_dot_f32_ref(&x, &y),
-                "avx2" => dot_f32_fused_avx2_spec(&x, &y),
+                "avx2" | "avx512" => dot_f32_fused_avx2_spec(&x, &y),
                 other => panic!("no fused-dot spec for tier {other}"),
             };
             assert!(
@@ -563,21 +564,44 @@ fn tier_selection_honours_the_cap() {
     assert_eq!(pick(Some("")), Ok(best.tier));
     assert_eq!(pick(Some("scalar")), Ok("scalar"));
     assert_eq!(pick(Some(" scalar\n")), Ok("scalar"));
-    assert_eq!(pick(Some("avx2")), Ok(best.tier));
-    assert!(pick(Some("avx512"))
+    assert_eq!(pick(Some("avx512")), Ok(best.tier));
+    // A cap picks the highest tier at or below it.
+    let has = |t: &str| avail.iter().any(|k| k.tier == t);
+    if has("avx2") {
+        assert_eq!(pick(Some("avx2")), Ok("avx2"));
+    }
+    assert!(pick(Some("avx9"))
         .unwrap_err()
-        .contains("expected one of scalar, avx2"));
+        .contains("expected one of scalar, avx2, avx512"));
     // A cap above what the CPU has falls back to the best it has.
     assert_eq!(
-        select_tier(Some("avx2"), &[&SCALAR]).map(|k| k.tier),
+        select_tier(Some("avx512"), &[&SCALAR]).map(|k| k.tier),
         Ok("scalar")
     );
     // The process-wide choice is what the environment asks for.
     let env = std::env::var("DS4_KERNELS").ok();
     assert_eq!(Ok(crate::kernel_tier()), pick(env.as_deref()));
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        assert_eq!(best.tier, "avx2");
+    {
+        use std::arch::is_x86_feature_detected as has_feature;
+        if has_feature!("avx2") {
+            assert!(has("avx2"));
+        }
+        let avx512 = ["avx512f", "avx512bw", "avx512vl", "avx512vnni"];
+        let cpu512 = has_feature!("avx512f")
+            && has_feature!("avx512bw")
+            && has_feature!("avx512vl")
+            && has_feature!("avx512vnni");
+        assert_eq!(has("avx512"), cpu512, "{avx512:?}");
+        if cpu512 {
+            assert_eq!(best.tier, "avx512");
+            // std reports AVX-512 only where the OS saves its state: XCR0's SSE,
+            // AVX, opmask, ZMM_Hi256 and Hi16_ZMM bits (see `x86::avx512`).
+            // SAFETY: `xgetbv` exists wherever the OS enabled XSAVE, which AVX
+            // (detected above) requires.
+            let xcr0 = unsafe { std::arch::x86_64::_xgetbv(0) };
+            assert_eq!(xcr0 & 0xe6, 0xe6, "XCR0 {xcr0:#x}");
+        }
     }
 }
 
@@ -1055,16 +1079,18 @@ fn group_ref<T: crate::attn::KvElem>(
 }
 
 /// A grouped attention tile step on every tier equals the reference (each query
-/// alone) bit for bit: groups of 1 to 5 queries (the kernel's chunks of three and
-/// their remainders), every tile length up to 64 (each tail), several head sizes
-/// (a multiple of 8 or not), fresh and running states, scores far apart (weights
+/// alone) bit for bit: groups of 1 to 5 queries (the kernels' chunks of three or
+/// four and their remainders), every tile length up to 64 (each tail, odd ones
+/// for the position pairs of AVX-512), several head sizes (a multiple of 8 or
+/// not; for AVX-512 one or two strips of 64, a strip of 16, a last 8), fresh and
+/// running states, scores far apart (weights
 /// underflowing to 0); f32 rows, f16 rows read directly, and f16 rows widened
 /// first and run as f32.
 #[test]
 fn attention_groups_are_bit_identical_on_every_tier() {
     use crate::attn::{attn_group, KvElem, Running};
     let mut rng = XorShift::new(173);
-    for hd in [8, 12, 64, 128] {
+    for hd in [8, 12, 24, 64, 80, 128] {
         for n in (1..=64).chain([100]) {
             for (spread, fresh) in [(1.0, true), (4.0, false), (60.0, false)] {
                 let g = 1 + (n + hd) % 5;
@@ -1129,7 +1155,9 @@ fn attention_groups_are_bit_identical_on_every_tier() {
 }
 
 /// Timings of the fast path's kernels against the dequantize-then-dot they
-/// replace: `cargo test --release -p ds4-kernels -- --ignored --nocapture bench_fast`.
+/// replace, on every SIMD tier of this CPU side by side (each case runs the
+/// tiers one after the other, so a load that comes and goes hits them alike):
+/// `cargo test --release -p ds4-kernels -- --ignored --nocapture bench_fast`.
 #[test]
 #[ignore]
 fn bench_fast() {
@@ -1147,9 +1175,12 @@ fn bench_fast() {
         best
     }
     let mut rng = XorShift::new(171);
-    let k = available_tiers().last().copied().unwrap();
-    // K-quant rows of 1536 (6 super-blocks): dequantization and Q8_K dots, scalar
-    // reference vs the best tier.
+    let simd: Vec<&Kernels> = available_tiers()
+        .into_iter()
+        .filter(|k| k.tier != "scalar")
+        .collect();
+    // K-quant rows of 1536 (6 super-blocks): dequantization and Q8_K dots, the
+    // scalar reference and every SIMD tier.
     {
         use crate::q8_k::{quantize_row_ref, BlockQ8_K};
         let nb = 6;
@@ -1161,7 +1192,7 @@ fn bench_fast() {
         let mut y = vec![BlockQ8_K::ZERO; nb];
         quantize_row_ref(&rng.vec_uniform(nb * 256, -1.0, 1.0), &mut y);
         let mut out = vec![0.0; nb * 256];
-        for t in [&SCALAR, k] {
+        for t in available_tiers() {
             let d4 = best_ns(|| (t.dequantize_row_q4_k)(black_box(&w4), &mut out));
             let d6 = best_ns(|| (t.dequantize_row_q6_k)(black_box(&w6), &mut out));
             let v4 = best_ns(|| {
@@ -1187,39 +1218,41 @@ fn bench_fast() {
         let vh: Vec<u16> = vf.iter().map(|&x| crate::attn::KvElem::narrow(x)).collect();
         let mut st = vec![crate::attn::Running::default(); g];
         let (mut acc, mut sc) = (vec![0.0; g * hd], vec![0.0; g * n]);
-        let f32_ns = best_ns(|| {
-            st.fill(crate::attn::Running::default());
-            (k.attn_group_f32)(
-                black_box(&q),
-                &kf,
-                &vf,
-                0.125,
-                &mut st,
-                &mut acc,
-                &mut sc,
-                false,
-            )
-        });
-        let f16_ns = best_ns(|| {
-            st.fill(crate::attn::Running::default());
-            (k.attn_group_f16)(
-                black_box(&q),
-                &kh,
-                &vh,
-                0.125,
-                &mut st,
-                &mut acc,
-                &mut sc,
-                false,
-            )
-        });
-        let pairs = (g * n) as f64;
-        println!(
-            "attention tile, {g} queries [{}]: f32 {:.2} ns, f16 {:.2} ns per (query, position)",
-            k.tier,
-            f32_ns / pairs,
-            f16_ns / pairs
-        );
+        for k in &simd {
+            let f32_ns = best_ns(|| {
+                st.fill(crate::attn::Running::default());
+                (k.attn_group_f32)(
+                    black_box(&q),
+                    &kf,
+                    &vf,
+                    0.125,
+                    &mut st,
+                    &mut acc,
+                    &mut sc,
+                    false,
+                )
+            });
+            let f16_ns = best_ns(|| {
+                st.fill(crate::attn::Running::default());
+                (k.attn_group_f16)(
+                    black_box(&q),
+                    &kh,
+                    &vh,
+                    0.125,
+                    &mut st,
+                    &mut acc,
+                    &mut sc,
+                    false,
+                )
+            });
+            let pairs = (g * n) as f64;
+            println!(
+                "attention tile, {g} queries [{}]: f32 {:.2} ns, f16 {:.2} ns per (query, position)",
+                k.tier,
+                f32_ns / pairs,
+                f16_ns / pairs
+            );
+        }
     }
     for (n_in, n_out) in [(576, 1536), (1536, 576), (576, 49152)] {
         let nb = n_in / QK8_0;
@@ -1228,18 +1261,6 @@ fn bench_fast() {
         let x = rng.vec_uniform(n_in, -1.0, 1.0);
         let mut out = vec![0.0; n_out];
         let mut row = vec![0.0; n_in];
-        let f1_4 = best_ns(|| {
-            for (r, o) in w4.chunks_exact(nb).zip(out.iter_mut()) {
-                (k.dequantize_row_q4_1)(r, &mut row);
-                *o = (k.dot_fma1)(&row, &x);
-            }
-        });
-        let f1_8 = best_ns(|| {
-            for (r, o) in w8.chunks_exact(nb).zip(out.iter_mut()) {
-                (k.dequantize_row_q8_0)(r, &mut row);
-                *o = (k.dot_fma1)(&row, &x);
-            }
-        });
         let mut a1 = crate::act16::Act16::default();
         a1.quantize(&x, n_in);
         let (p4, p8) = (
@@ -1248,68 +1269,89 @@ fn bench_fast() {
         );
         let mut y8 = vec![BlockQ8_0::ZERO; nb];
         q8_0::quantize_row_ref(&x, &mut y8);
-        let q8_blocks = best_ns(|| (k.matvec_q4_1_q8_0)(black_box(&w4), &y8, &mut out));
-        let q8_packed =
-            best_ns(|| (k.gemm_q4_1_q8_0_f2)(black_box(p4.rows(0..n_out)), &y8, &mut out));
-        println!(
-            "{n_in}x{n_out} [{}] one token, Q8 activations, q4_1 from blocks / packed: \
-             {:8.1} / {:8.1} us",
-            k.tier,
-            q8_blocks / 1e3,
-            q8_packed / 1e3
-        );
-        let f2_4 = best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..n_out)), &a1, &mut out));
-        let f2_8 = best_ns(|| (k.gemm_q8_0_act16)(black_box(p8.rows(0..n_out)), &a1, &mut out));
-        println!(
-            "{n_in}x{n_out} [{}] one token, dequantize + F1 dot vs 16-bit activations (F2): \
-             q4_1 {:8.1} / {:8.1} us | q8_0 {:8.1} / {:8.1} us",
-            k.tier,
-            f1_4 / 1e3,
-            f2_4 / 1e3,
-            f1_8 / 1e3,
-            f2_8 / 1e3
-        );
         // The batched products: 64 tokens, F1 tiles over 8 panels of 12 dequantized
-        // rows, F2 over 96 rows.
+        // rows, F2 over 96 rows; and a prefill chunk's shape, 256 tokens against
+        // every row (up to 1536).
         let toks = 64;
         let xs = rng.vec_uniform(n_in * toks, -1.0, 1.0);
         let mut a64 = crate::act16::Act16::default();
         a64.quantize(&xs, n_in);
         let rows = 96.min(n_out);
         let mut o64 = vec![0.0; rows * toks];
-        let f2 = best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..rows)), &a64, &mut o64));
-        // A prefill chunk's shape: 256 tokens against every row (up to 1536).
         let (rows_p, toks_p) = (1536.min(n_out), 256);
         let mut a256 = crate::act16::Act16::default();
         a256.quantize(&rng.vec_uniform(n_in * toks_p, -1.0, 1.0), n_in);
         let mut o256 = vec![0.0; rows_p * toks_p];
-        let f2p = best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..rows_p)), &a256, &mut o256));
-        println!(
-            "  F2 gemm q4_1: {:.2} MAC/ns (64 tokens x 96 rows), {:.2} MAC/ns ({toks_p} x {rows_p})",
-            (rows * toks * n_in) as f64 / f2,
-            (rows_p * toks_p * n_in) as f64 / f2p
-        );
         let mut wf = vec![0.0; 16 * n_in];
         let mut o = [0.0; 12];
-        for (gr, gt) in [(4, 3), (4, 2), (3, 3)] {
-            let gemm = best_ns(|| {
-                for p in w4.chunks_exact(12 * nb).take(8) {
-                    (k.dequantize_row_q4_1)(p, &mut wf[..12 * n_in]);
-                    for t0 in (0..toks).step_by(gt) {
-                        let nt = gt.min(toks - t0);
-                        for g in 0..12 / gr {
-                            (k.gemm_tile)(
-                                &wf[g * gr * n_in..][..gr * n_in],
-                                &xs[t0 * n_in..(t0 + nt) * n_in],
-                                n_in,
-                                &mut o[..gr * nt],
-                            );
-                        }
-                    }
+        for k in &simd {
+            let f1_4 = best_ns(|| {
+                for (r, o) in w4.chunks_exact(nb).zip(out.iter_mut()) {
+                    (k.dequantize_row_q4_1)(r, &mut row);
+                    *o = (k.dot_fma1)(&row, &x);
                 }
             });
-            let macs = (8 * 12 * toks * n_in) as f64;
-            println!("  F1 gemm tiles {gr}x{gt}: {:.2} MAC/ns", macs / gemm);
+            let f1_8 = best_ns(|| {
+                for (r, o) in w8.chunks_exact(nb).zip(out.iter_mut()) {
+                    (k.dequantize_row_q8_0)(r, &mut row);
+                    *o = (k.dot_fma1)(&row, &x);
+                }
+            });
+            let q8_blocks = best_ns(|| (k.matvec_q4_1_q8_0)(black_box(&w4), &y8, &mut out));
+            let q8_packed =
+                best_ns(|| (k.gemm_q4_1_q8_0_f2)(black_box(p4.rows(0..n_out)), &y8, &mut out));
+            println!(
+                "{n_in}x{n_out} [{}] one token, Q8 activations, q4_1 from blocks / packed: \
+                 {:8.1} / {:8.1} us",
+                k.tier,
+                q8_blocks / 1e3,
+                q8_packed / 1e3
+            );
+            let f2_4 = best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..n_out)), &a1, &mut out));
+            let f2_8 = best_ns(|| (k.gemm_q8_0_act16)(black_box(p8.rows(0..n_out)), &a1, &mut out));
+            println!(
+                "{n_in}x{n_out} [{}] one token, dequantize + F1 dot vs 16-bit activations (F2): \
+                 q4_1 {:8.1} / {:8.1} us | q8_0 {:8.1} / {:8.1} us",
+                k.tier,
+                f1_4 / 1e3,
+                f2_4 / 1e3,
+                f1_8 / 1e3,
+                f2_8 / 1e3
+            );
+            let f2 = best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..rows)), &a64, &mut o64));
+            let f2p =
+                best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..rows_p)), &a256, &mut o256));
+            println!(
+                "  [{}] F2 gemm q4_1: {:.2} MAC/ns (64 tokens x 96 rows), {:.2} MAC/ns \
+                 ({toks_p} x {rows_p})",
+                k.tier,
+                (rows * toks * n_in) as f64 / f2,
+                (rows_p * toks_p * n_in) as f64 / f2p
+            );
+            for (gr, gt) in [(4, 3), (4, 2), (3, 3)] {
+                let gemm = best_ns(|| {
+                    for p in w4.chunks_exact(12 * nb).take(8) {
+                        (k.dequantize_row_q4_1)(p, &mut wf[..12 * n_in]);
+                        for t0 in (0..toks).step_by(gt) {
+                            let nt = gt.min(toks - t0);
+                            for g in 0..12 / gr {
+                                (k.gemm_tile)(
+                                    &wf[g * gr * n_in..][..gr * n_in],
+                                    &xs[t0 * n_in..(t0 + nt) * n_in],
+                                    n_in,
+                                    &mut o[..gr * nt],
+                                );
+                            }
+                        }
+                    }
+                });
+                let macs = (8 * 12 * toks * n_in) as f64;
+                println!(
+                    "  [{}] F1 gemm tiles {gr}x{gt}: {:.2} MAC/ns",
+                    k.tier,
+                    macs / gemm
+                );
+            }
         }
     }
 }

@@ -87,12 +87,85 @@ impl std::fmt::Display for SaveReason {
 }
 
 /// Identity of the model that wrote a payload. `model_fp` covers the family and shape
-/// (architecture metadata + tensor directory); `quant_fp` the quantization mix. Two
-/// quantizations of one model have equal `model_fp` and different `quant_fp`.
+/// (architecture metadata + tensor directory); `quant_fp` the quantization mix;
+/// `weights_fp` the tensor data. Two quantizations of one model have equal
+/// `model_fp` and different `quant_fp`; two files of one quantization with
+/// other tensor data differ only in `weights_fp`. Files written before the
+/// weights were recorded read it as zeros.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ModelId {
     pub model_fp: [u8; 16],
     pub quant_fp: [u8; 8],
+    pub weights_fp: [u8; 16],
+}
+
+/// Why a checkpoint does not serve a session ([`ModelId`] and context size).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mismatch {
+    /// Another model (architecture, tokenizer, tensor shapes), or a state
+    /// saved differently (the K/V type and RoPE scaling are folded into
+    /// `model_fp`).
+    Model,
+    /// The same layout and quantization with other tensor data: another or a
+    /// modified model file.
+    Weights,
+    /// Written before checkpoints recorded the tensor data.
+    WeightsUnknown,
+    /// Another quantization, refused by `reject_different_quant`.
+    Quant,
+    /// Saved by a session with a larger context.
+    Context,
+}
+
+impl Mismatch {
+    /// Of a checkpoint written by `saved` (at context `saved_ctx`) for a
+    /// session of `model` (context `n_ctx`); quantizations may differ unless
+    /// `reject_different_quant`, and within one quantization the weights must
+    /// be the same.
+    pub fn of(
+        saved: &ModelId,
+        saved_ctx: u32,
+        model: &ModelId,
+        n_ctx: u32,
+        reject_different_quant: bool,
+    ) -> Option<Mismatch> {
+        if saved.model_fp != model.model_fp {
+            return Some(Mismatch::Model);
+        }
+        if saved.quant_fp != model.quant_fp {
+            if reject_different_quant {
+                return Some(Mismatch::Quant);
+            }
+        } else if saved.weights_fp == [0; 16] {
+            return Some(Mismatch::WeightsUnknown);
+        } else if saved.weights_fp != model.weights_fp {
+            return Some(Mismatch::Weights);
+        }
+        (saved_ctx > n_ctx).then_some(Mismatch::Context)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mismatch::Model => {
+                "model fingerprint differs (another model, K/V type or RoPE scaling)"
+            }
+            Mismatch::Weights => {
+                "weights differ: saved by a model file with the same layout and quantization \
+                 but other tensor data (another or a modified file)"
+            }
+            Mismatch::WeightsUnknown => {
+                "saved before checkpoints recorded the model's weights, so they cannot be matched"
+            }
+            Mismatch::Quant => "quant fingerprint differs (--kv-cache-reject-different-quant)",
+            Mismatch::Context => "saved with a larger context than the session's",
+        }
+    }
+}
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// One opaque extension record stored after the payload.
@@ -160,7 +233,8 @@ impl Header {
         b[56..72].copy_from_slice(&self.model.model_fp);
         b[72..80].copy_from_slice(&self.model.quant_fp);
         b[80..88].copy_from_slice(&self.body_checksum.to_le_bytes());
-        // 88..108 reserved
+        b[88..104].copy_from_slice(&self.model.weights_fp);
+        // 104..108 reserved
         b[108..112].copy_from_slice(&self.hits.to_le_bytes());
         b[112..120].copy_from_slice(&self.last_used.to_le_bytes());
         let sum = xxh3_64(&b[..HEADER_SUM_OFFSET]);
@@ -200,6 +274,7 @@ impl Header {
         let mut model = ModelId::default();
         model.model_fp.copy_from_slice(&b[56..72]);
         model.quant_fp.copy_from_slice(&b[72..80]);
+        model.weights_fp.copy_from_slice(&b[88..104]);
         let h = Header {
             reason,
             ext_flags: u32_at(b, 8),
@@ -377,6 +452,7 @@ mod tests {
             model: ModelId {
                 model_fp: [0xab; 16],
                 quant_fp: [0xcd; 8],
+                weights_fp: [0xef; 16],
             },
             body_checksum: 0x0123_4567_89ab_cdef,
         }
@@ -392,8 +468,9 @@ mod tests {
         assert!(b[5..8]
             .iter()
             .chain(&b[20..24])
-            .chain(&b[88..108])
+            .chain(&b[104..108])
             .all(|&x| x == 0));
+        assert_eq!(&b[88..104], &[0xef; 16]);
         // The usage tail is exactly the header's last 20 bytes.
         assert_eq!(h.usage_tail()[..], b[USAGE_OFFSET..]);
     }

@@ -27,7 +27,8 @@
 //! | 56 | 16 | model fingerprint (family + shape) |
 //! | 72 | 8 | quant fingerprint (quantization mix) |
 //! | 80 | 8 | u64 body checksum: XXH3-64 of text ‖ payload ‖ section area |
-//! | 88 | 20 | reserved, 0 |
+//! | 88 | 16 | weights fingerprint (the tensor data); zeros in files written before it was recorded, which were reserved bytes |
+//! | 104 | 4 | reserved, 0 |
 //! | 108 | 4 | u32 hit count (updated in place) |
 //! | 112 | 8 | u64 last used, Unix seconds (updated in place) |
 //! | 120 | 8 | u64 header checksum: XXH3-64 of bytes 0..120 |
@@ -53,8 +54,12 @@
 //!
 //! [`Store::lookup`] considers entries whose text is no longer than the prompt, whose
 //! model fingerprint matches, whose quant fingerprint matches when
-//! `reject_different_quant`, and whose `n_ctx` is at most the session's (a file saved at
-//! context C loads only into a context ≥ C). It hashes the prompt once, incrementally,
+//! `reject_different_quant`, whose weights fingerprint matches when the quant
+//! fingerprint does (one quantization, other tensor data: another or a modified
+//! file; zeros, from before it was recorded, match nothing), and whose `n_ctx` is at
+//! most the session's (a file saved at context C loads only into a context ≥ C);
+//! [`Mismatch::of`] is that rule. [`Store::lookup_refused`] names the longest
+//! checkpoint the rule turned away, so a miss can say why. It hashes the prompt once, incrementally,
 //! at each candidate length and returns the longest match. [`Store::load`] reads the
 //! whole file in 8 MiB chunks (no mmap) and checks size, SHA-1(text) = name, text = the
 //! prompt prefix, body checksum and sections; a damaged file is marked skipped and
@@ -114,8 +119,8 @@ mod store;
 
 pub use error::{Defect, KvError};
 pub use format::{
-    decode_sections, encode_sections, file_name_for, sections_len, text_hash, Header, ModelId,
-    SaveReason, Section, EXT_TOOL_ID_MAP, FORMAT_VERSION, HEADER_LEN, MAGIC,
+    decode_sections, encode_sections, file_name_for, sections_len, text_hash, Header, Mismatch,
+    ModelId, SaveReason, Section, EXT_TOOL_ID_MAP, FORMAT_VERSION, HEADER_LEN, MAGIC,
 };
 pub use policy::SavePolicy;
 pub use score::{

@@ -18,7 +18,8 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::error::{Defect, KvError};
 use crate::format::{
     decode_sections, encode_sections, hex, parse_checkpoint_name, parse_hash, parse_temp_name,
-    text_hash, Header, ModelId, SaveReason, Section, FORMAT_VERSION, HEADER_LEN, USAGE_OFFSET,
+    text_hash, Header, Mismatch, ModelId, SaveReason, Section, FORMAT_VERSION, HEADER_LEN,
+    USAGE_OFFSET,
 };
 use crate::policy::SavePolicy;
 use crate::score::eviction_score;
@@ -52,6 +53,11 @@ pub struct StoreConfig {
     /// Refuse checkpoints written by another quantization of the same model
     /// (`--kv-cache-reject-different-quant`).
     pub reject_different_quant: bool,
+    /// Inspect only (`ds4 kv ls`, `show`, `verify` without `--fix`): change
+    /// nothing on disk — no directory created, no stale temp file removed (each
+    /// is reported as [`Notice::StaleTemp`]), no eviction, no usage update on
+    /// load; saving and removing are refused.
+    pub read_only: bool,
 }
 
 impl Default for StoreConfig {
@@ -60,6 +66,7 @@ impl Default for StoreConfig {
             budget_bytes: 4096 << 20,
             policy: SavePolicy::default(),
             reject_different_quant: false,
+            read_only: false,
         }
     }
 }
@@ -74,6 +81,8 @@ pub enum Notice {
     RemovedTemp { file: PathBuf, why: &'static str },
     /// A stale temp file could not be removed.
     TempRemoveFailed { file: PathBuf, error: String },
+    /// A stale temp file was left in place (a read-only store).
+    StaleTemp { file: PathBuf, why: &'static str },
     /// A checkpoint was deleted to get under budget.
     Evicted(Evicted),
     /// A checkpoint chosen for eviction could not be deleted.
@@ -91,6 +100,11 @@ impl fmt::Display for Notice {
             Notice::RemovedTemp { file, why } => {
                 write!(f, "kv cache removed stale temp file={} ({why})", file.display())
             }
+            Notice::StaleTemp { file, why } => write!(
+                f,
+                "kv cache stale temp file={} ({why}); `ds4 kv verify --fix` removes it",
+                file.display()
+            ),
             Notice::TempRemoveFailed { file, error } => write!(
                 f,
                 "kv cache could not remove stale temp file={}: {error}",
@@ -341,7 +355,7 @@ impl Store {
                     ),
                 ))
             }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            Err(e) if e.kind() == io::ErrorKind::NotFound && !config.read_only => {
                 DirBuilder::new()
                     .recursive(true)
                     .mode(0o700)
@@ -363,9 +377,22 @@ impl Store {
         };
         {
             let mut st = store.lock();
-            store.evict_locked(&mut st, None, now_unix())?;
+            match store.config.read_only {
+                true => store.scan(&mut st)?,
+                false => store.evict_locked(&mut st, None, now_unix())?,
+            }
         }
         Ok(store)
+    }
+
+    /// Refuses a change to a read-only store.
+    fn writable(&self) -> Result<(), KvError> {
+        match self.config.read_only {
+            true => Err(KvError::InvalidRequest(
+                "the store was opened read-only".into(),
+            )),
+            false => Ok(()),
+        }
     }
 
     pub fn dir(&self) -> &Path {
@@ -484,6 +511,16 @@ impl Store {
         } else {
             return; // a live process is writing it
         };
+        if self.config.read_only {
+            // Reported once per name, like a failed removal.
+            if st.temp_failed.insert(name.to_string()) {
+                st.notices.push(Notice::StaleTemp {
+                    file: path.to_path_buf(),
+                    why,
+                });
+            }
+            return;
+        }
         match fs::remove_file(path) {
             Ok(()) => st.notices.push(Notice::RemovedTemp {
                 file: path.to_path_buf(),
@@ -503,17 +540,17 @@ impl Store {
 
     // ----------------------------------------------------------------- lookup
 
-    fn compatible(&self, h: &Header, model: &ModelId, n_ctx: u32) -> Result<(), &'static str> {
-        if h.model.model_fp != model.model_fp {
-            return Err("model fingerprint differs");
+    fn compatible(&self, h: &Header, model: &ModelId, n_ctx: u32) -> Result<(), Mismatch> {
+        match Mismatch::of(
+            &h.model,
+            h.n_ctx,
+            model,
+            n_ctx,
+            self.config.reject_different_quant,
+        ) {
+            Some(m) => Err(m),
+            None => Ok(()),
         }
-        if self.config.reject_different_quant && h.model.quant_fp != model.quant_fp {
-            return Err("quant fingerprint differs");
-        }
-        if h.n_ctx > n_ctx {
-            return Err("saved with a larger context than the session's");
-        }
-        Ok(())
     }
 
     /// The compatible checkpoint whose text shares the longest byte prefix with
@@ -569,16 +606,47 @@ impl Store {
         model: &ModelId,
         n_ctx: u32,
     ) -> Result<Option<Candidate>, KvError> {
+        let found = self.longest_prefix(prompt, |h| self.compatible(h, model, n_ctx).is_ok())?;
+        Ok(found.map(|(hash, path, header)| Candidate {
+            hash,
+            path,
+            header,
+            model: *model,
+            n_ctx,
+        }))
+    }
+
+    /// The longest checkpoint whose text is a prefix of `prompt` that [`lookup`]
+    /// turned away for `model` and `n_ctx`, with why (for explaining a miss).
+    ///
+    /// [`lookup`]: Store::lookup
+    pub fn lookup_refused(
+        &self,
+        prompt: &[u8],
+        model: &ModelId,
+        n_ctx: u32,
+    ) -> Result<Option<(PathBuf, Header, Mismatch)>, KvError> {
+        let found = self.longest_prefix(prompt, |h| self.compatible(h, model, n_ctx).is_err())?;
+        Ok(found.and_then(|(_, path, h)| {
+            let why = self.compatible(&h, model, n_ctx).err()?;
+            Some((path, h, why))
+        }))
+    }
+
+    /// The longest entry that `keep` accepts whose text is a prefix of `prompt`:
+    /// its hash, path and header.
+    fn longest_prefix(
+        &self,
+        prompt: &[u8],
+        keep: impl Fn(&Header) -> bool,
+    ) -> Result<Option<(String, PathBuf, Header)>, KvError> {
         let mut st = self.lock();
         self.scan(&mut st)?;
         let mut cands: Vec<(&String, &Entry)> = st
             .files
             .iter()
             .filter_map(|(n, s)| s.result.as_ref().ok().map(|e| (n, e)))
-            .filter(|(_, e)| {
-                e.header.text_bytes <= prompt.len() as u64
-                    && self.compatible(&e.header, model, n_ctx).is_ok()
-            })
+            .filter(|(_, e)| e.header.text_bytes <= prompt.len() as u64 && keep(&e.header))
             .collect();
         cands.sort_by_key(|(_, e)| e.header.text_bytes);
         let mut hasher = Sha1::new();
@@ -593,12 +661,12 @@ impl Store {
                 best = Some((name, e));
             }
         }
-        Ok(best.map(|(name, e)| Candidate {
-            hash: name.trim_end_matches(".kv").to_string(),
-            path: self.dir.join(name),
-            header: e.header.clone(),
-            model: *model,
-            n_ctx,
+        Ok(best.map(|(name, e)| {
+            (
+                name.trim_end_matches(".kv").to_string(),
+                self.dir.join(name),
+                e.header.clone(),
+            )
         }))
     }
 
@@ -609,7 +677,12 @@ impl Store {
     /// place. A damaged file is marked skipped and reported as [`KvError::Corrupt`].
     pub fn load(&self, cand: &Candidate, prompt: &[u8]) -> Result<Loaded, KvError> {
         let path = &cand.path;
-        let (file, writable) = match OpenOptions::new().read(true).write(true).open(path) {
+        let open_rw = if self.config.read_only {
+            Err(io::Error::from(io::ErrorKind::PermissionDenied))
+        } else {
+            OpenOptions::new().read(true).write(true).open(path)
+        };
+        let (file, writable) = match open_rw {
             Ok(f) => (f, true),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 return Err(KvError::io("open", path, e))
@@ -623,9 +696,9 @@ impl Store {
             .ok_or_else(|| KvError::InvalidRequest(format!("bad hash {:?}", cand.hash)))?;
         let res = read_checked(&file, &hash, Keep::All, |h| {
             self.compatible(h, &cand.model, cand.n_ctx)
-                .map_err(|what| KvError::Changed {
+                .map_err(|m| KvError::Changed {
                     path: path.clone(),
-                    what,
+                    what: m.as_str(),
                 })?;
             if h.text_bytes > prompt.len() as u64 {
                 return Err(KvError::Changed {
@@ -697,6 +770,7 @@ impl Store {
     /// then evict down to the budget with the new file protected. On any I/O error the
     /// temp file is removed and the error returned; the store stays usable.
     pub fn save(&self, mut req: SaveRequest<'_>) -> Result<SaveOutcome, KvError> {
+        self.writable()?;
         if req.tokens == 0 {
             return Err(KvError::InvalidRequest("tokens must be at least 1".into()));
         }
@@ -854,6 +928,7 @@ impl Store {
 
     /// Evict down to the budget now (also done by `open` and after each save).
     pub fn evict_to_budget(&self) -> Result<(), KvError> {
+        self.writable()?;
         let mut st = self.lock();
         self.evict_locked(&mut st, None, now_unix())
     }
@@ -997,6 +1072,9 @@ impl Store {
     /// Fully read and checksum every checkpoint-named file; with `fix`, delete the bad
     /// ones (regular files only; unreadable files and foreign names are never touched).
     pub fn verify(&self, fix: bool) -> Result<VerifyReport, KvError> {
+        if fix {
+            self.writable()?;
+        }
         let mut report = VerifyReport::default();
         let rd = fs::read_dir(&self.dir).map_err(|e| KvError::io("list", &self.dir, e))?;
         let mut names: Vec<(String, [u8; 20])> = rd
@@ -1042,6 +1120,7 @@ impl Store {
 
     /// Delete one checkpoint by its 40-hex-digit hash. `Ok(false)` if it was not there.
     pub fn remove(&self, hash: &str) -> Result<bool, KvError> {
+        self.writable()?;
         if parse_hash(hash).is_none() {
             return Err(KvError::InvalidRequest(format!(
                 "{hash:?} is not 40 lowercase hex digits"
@@ -1060,6 +1139,7 @@ impl Store {
 
     /// Delete every checkpoint-named regular file (valid or not). Returns how many.
     pub fn clear(&self) -> Result<usize, KvError> {
+        self.writable()?;
         let rd = fs::read_dir(&self.dir).map_err(|e| KvError::io("list", &self.dir, e))?;
         let mut n = 0;
         for ent in rd.filter_map(|e| e.ok()) {

@@ -8,7 +8,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use ds4_kvstore::{Defect, KvError, Notice, Section, Store, HEADER_LEN};
+use ds4_kvstore::{Defect, KvError, Notice, Section, Store, StoreConfig, HEADER_LEN};
 
 /// One pristine checkpoint with text, payload and sections; returns (text, bytes, name).
 fn pristine(td: &TempDir) -> (Vec<u8>, Vec<u8>, String) {
@@ -331,4 +331,44 @@ fn stray_temp_files() {
     assert!(live_fresh.exists() && !dead.exists() && !live_old.exists());
     assert!(store.skipped().is_empty());
     assert_eq!(store.total_bytes(), 0);
+}
+
+/// A read-only store changes nothing on disk: stale temp files are named, not
+/// removed; a missing directory is not created; saves are refused.
+#[test]
+fn a_read_only_store_changes_nothing() {
+    let td = TempDir::new("readonly");
+    let dir = td.store_dir();
+    make_dir(&dir);
+    let dead = dir.join(format!("{}.kv.tmp.4000000000", "a".repeat(40)));
+    fs::write(&dead, b"partial").unwrap();
+    let ro = StoreConfig {
+        read_only: true,
+        ..big_config()
+    };
+    let store = Store::open(&dir, ro.clone()).unwrap();
+    assert_eq!(
+        store.drain_notices(),
+        vec![Notice::StaleTemp {
+            file: dead.clone(),
+            why: "its writer process is not running"
+        }]
+    );
+    assert!(dead.exists());
+    assert!(store.verify(false).is_ok() && dead.exists());
+    assert!(store.verify(true).is_err() && dead.exists());
+    let text = b"a prompt".repeat(20);
+    let refused = store.save(ds4_kvstore::SaveRequest {
+        text: &text,
+        payload: ds4_kvstore::Payload::Bytes(b"p"),
+        reason: ds4_kvstore::SaveReason::Cold,
+        tokens: 40,
+        n_ctx: 8192,
+        model: MODEL_A,
+        ext_flags: 0,
+        sections: &[],
+    });
+    assert!(refused.is_err());
+    assert!(Store::open(dir.join("missing"), ro).is_err());
+    assert!(!dir.join("missing").exists());
 }

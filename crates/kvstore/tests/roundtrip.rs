@@ -10,8 +10,8 @@ use std::os::unix::fs::PermissionsExt;
 
 use common::*;
 use ds4_kvstore::{
-    file_name_for, Notice, Payload, SaveOutcome, SaveReason, SaveRequest, Section, SkipReason,
-    Store, StoreConfig, HEADER_LEN,
+    file_name_for, Mismatch, Notice, Payload, SaveOutcome, SaveReason, SaveRequest, Section,
+    SkipReason, Store, StoreConfig, HEADER_LEN,
 };
 
 #[test]
@@ -128,6 +128,57 @@ fn context_direction_and_fingerprints() {
     let store = Store::open(td.store_dir(), reject).unwrap();
     assert!(store.lookup(&text, &MODEL_A_Q2, 8192).unwrap().is_none());
     assert!(store.lookup(&text, &MODEL_A, 8192).unwrap().is_some());
+}
+
+/// Within one quantization the weights must match: a file with other tensor
+/// data (or one from before weights were recorded) is refused, and
+/// `lookup_refused` names it with why.
+#[test]
+fn other_weights_are_refused_and_named() {
+    let td = TempDir::new("weights");
+    let mut rng = Rng::new(4);
+    let text = rng.text(800);
+    let store = Store::open(td.store_dir(), big_config()).unwrap();
+    let path = saved_path(&save(&store, &Spec::new(&text, b"payload")));
+    assert!(store.lookup(&text, &MODEL_A, 8192).unwrap().is_some());
+    assert!(store
+        .lookup(&text, &MODEL_A_TAMPERED, 8192)
+        .unwrap()
+        .is_none());
+    let (p, h, why) = store
+        .lookup_refused(&text, &MODEL_A_TAMPERED, 8192)
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (p, h.model, why),
+        (path.clone(), MODEL_A, Mismatch::Weights)
+    );
+    assert!(why.to_string().contains("weights differ"), "{why}");
+    // Another quantization is another question (accepted by default).
+    assert!(store.lookup(&text, &MODEL_A_Q2, 8192).unwrap().is_some());
+    assert!(store
+        .lookup_refused(&text, &MODEL_A, 8192)
+        .unwrap()
+        .is_none());
+    assert_eq!(
+        store
+            .lookup_refused(&text, &MODEL_B, 8192)
+            .unwrap()
+            .map(|r| r.2),
+        Some(Mismatch::Model)
+    );
+    // A file from before the weights were recorded (zeros there) matches nothing
+    // of its quantization.
+    patch_header(&path, |h| h.model.weights_fp = [0; 16]);
+    let store = Store::open(td.store_dir(), big_config()).unwrap();
+    assert!(store.lookup(&text, &MODEL_A, 8192).unwrap().is_none());
+    assert_eq!(
+        store
+            .lookup_refused(&text, &MODEL_A, 8192)
+            .unwrap()
+            .map(|r| r.2),
+        Some(Mismatch::WeightsUnknown)
+    );
 }
 
 #[test]

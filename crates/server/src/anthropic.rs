@@ -34,11 +34,12 @@ use serde_json::{json, Value};
 
 use crate::dialect::{
     named, think_control, think_mode, AgentOptions, BadRequest, Dialect, ErrorKind, Gen, Input,
-    Request,
+    Request, SamplingFields,
 };
 use crate::http::{self, AppState};
+use crate::prepare::{self, Refusal};
 use crate::turn::{CallOut, Piece, Turn};
-use crate::worker::{FinishReason, Overflow, Usage};
+use ds4_runtime::{FinishReason, Overflow, Usage};
 
 #[derive(Deserialize)]
 struct Body {
@@ -46,9 +47,8 @@ struct Body {
     messages: Option<Vec<WireMessage>>,
     system: Option<Value>,
     max_tokens: Option<u64>,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
-    top_k: Option<u64>,
+    #[serde(flatten)]
+    sampling: SamplingFields,
     stop_sequences: Option<Vec<String>>,
     stream: Option<bool>,
     tools: Option<Value>,
@@ -57,6 +57,13 @@ struct Body {
     output_config: Option<OutputConfig>,
     output_format: Option<Value>,
     reasoning_effort: Option<String>,
+    metadata: Option<Metadata>,
+}
+
+#[derive(Deserialize)]
+struct Metadata {
+    /// Claude Code sends its user, account and session ids here.
+    user_id: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -114,7 +121,7 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
         }
         n => n.map(|n| n as usize),
     };
-    let sampling = crate::dialect::sampling(b.temperature, 1.0, b.top_p, b.top_k)?;
+    let sampling = b.sampling.config(1.0)?;
     let stop = b.stop_sequences.unwrap_or_default();
     if stop.iter().any(String::is_empty) {
         return Err(BadRequest::new(
@@ -178,7 +185,12 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
         tool_choice: tool_choice(b.tool_choice.as_ref())?,
         think,
         cache_breakpoints: breakpoints,
-        cache_key: None,
+        affinity: b
+            .metadata
+            .and_then(|m| m.user_id)
+            .map(|u| format!("user:{u}"))
+            .into_iter()
+            .collect(),
         json_schema: crate::dialect::json_format(b.output_format.as_ref(), "output_format")?,
         single_call: b
             .tool_choice
@@ -430,7 +442,7 @@ pub fn usage_json(u: &Usage) -> Value {
 fn stop_reason(f: FinishReason) -> &'static str {
     match f {
         FinishReason::Stop => "end_turn",
-        FinishReason::Length => "max_tokens",
+        FinishReason::Length | FinishReason::Cancelled => "max_tokens",
         FinishReason::ContextFull => "model_context_window_exceeded",
         FinishReason::ToolCalls => "tool_use",
     }
@@ -448,6 +460,7 @@ pub fn error_body(status: StatusCode, message: &str, kind: ErrorKind) -> Value {
         _ if status == StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
         ErrorKind::InvalidRequest | ErrorKind::ContextLength => "invalid_request_error",
         ErrorKind::Authentication => "authentication_error",
+        ErrorKind::Forbidden => "permission_error",
         ErrorKind::NotFound => "not_found_error",
         ErrorKind::Overloaded => "overloaded_error",
         ErrorKind::Server => "api_error",
@@ -676,42 +689,31 @@ impl Dialect for Anthropic {
 /// `POST /v1/messages`.
 pub(crate) async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let d: Arc<dyn Dialect> = Arc::new(Anthropic::default());
-    match parse_messages(&body) {
+    match http::cpu(&st, move |_| parse_messages(&body)).await {
         Ok(p) => http::run(st, p, d).await,
         Err(e) => d.bad_request(e),
     }
 }
 
 /// `POST /v1/messages/count_tokens`: the tokens of the rendered prompt, tokenized
-/// as the worker tokenizes a cold prompt.
+/// as a cold prompt is.
 pub(crate) async fn count_tokens(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let d = Anthropic::default();
-    let mut p = match parse_count_tokens(&body) {
-        Ok(p) => p,
-        Err(e) => return d.bad_request(e),
-    };
-    let prompt = match http::render(&st, &mut p) {
-        Ok(r) => r.prompt,
-        Err(msg) => return d.error(StatusCode::BAD_REQUEST, msg, ErrorKind::InvalidRequest),
-    };
-    // Tokenizing a long conversation is CPU work: keep it off the async threads.
-    let model = Arc::clone(&st.model);
-    match tokio::task::spawn_blocking(move || model.tokenizer.encode(&prompt, true, true).len())
-        .await
-    {
+    let counted = http::cpu(&st, move |st| {
+        let p = parse_count_tokens(&body).map_err(|e| Refusal::Invalid(e.message))?;
+        prepare::count_tokens(st, p)
+    })
+    .await;
+    match counted {
         Ok(n) => Json(json!({ "input_tokens": n })).into_response(),
-        Err(e) => d.error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            &format!("tokenizer failed: {e}"),
-            ErrorKind::Server,
-        ),
+        Err(r) => http::refuse(&d, r),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::CacheSource;
+    use ds4_runtime::CacheSource;
 
     fn bad(b: &str) -> String {
         parse_messages(b.as_bytes()).unwrap_err().message
@@ -817,6 +819,7 @@ mod tests {
         let d = Anthropic::default();
         let prompt_only = Overflow {
             prompt_tokens: 21400,
+            at_least: false,
             max_tokens: None,
             n_ctx: 8192,
         };
@@ -1043,6 +1046,8 @@ mod tests {
             completion_tokens: 9,
             cache_source: CacheSource::None,
             miss: None,
+            slot: 0,
+            queue_s: 0.0,
         }
     }
 

@@ -11,7 +11,7 @@ use ds4_engine::SamplerConfig;
 use serde_json::Value;
 
 use crate::turn::{Piece, Turn};
-use crate::worker::{FinishReason, Overflow, Usage};
+use ds4_runtime::{FinishReason, Overflow, Usage};
 
 /// A request in the engine's terms.
 #[derive(Debug)]
@@ -39,8 +39,11 @@ pub struct AgentOptions {
     /// Anthropic `cache_control` breakpoints: the index of the message whose end
     /// is a boundary worth a checkpoint (the system prompt is message 0).
     pub cache_breakpoints: Vec<usize>,
-    /// OpenAI `prompt_cache_key`: requests with one key share a session slot.
-    pub cache_key: Option<String>,
+    /// Keys of the conversation the request continues that its body names
+    /// (OpenAI `prompt_cache_key`, Anthropic `metadata.user_id`, which holds
+    /// Claude Code's session id): requests sharing one go to the same slot
+    /// when no slot holds a prefix of them.
+    pub affinity: Vec<String>,
     /// The client allows only one call per turn (OpenAI
     /// `parallel_tool_calls: false`, Anthropic `disable_parallel_tool_use`).
     pub single_call: bool,
@@ -136,6 +139,8 @@ pub enum ErrorKind {
     InvalidRequest,
     ContextLength,
     Authentication,
+    /// Refused whoever asks (a `Host` this server does not answer).
+    Forbidden,
     NotFound,
     Overloaded,
     Server,
@@ -149,36 +154,55 @@ pub struct Gen {
     pub model: String,
 }
 
-/// The server's sampling defaults with a request's `temperature` (0 to
-/// `max_temperature`), `top_p` (in (0, 1]) and `top_k` applied; the seed is the
-/// clock's (a dialect with a `seed` field sets its own).
-pub fn sampling(
+/// The sampling fields, read and checked the same way on every route (each
+/// dialect's body flattens this in): `temperature` (0 to the dialect's
+/// maximum: Anthropic's API stops at 1, OpenAI's at 2), `top_p` in (0, 1],
+/// `top_k`, `min_p` in [0, 1], `seed` (an unsigned integer) and `n` (only 1).
+#[derive(Debug, Default, serde::Deserialize)]
+pub struct SamplingFields {
     temperature: Option<f32>,
-    max_temperature: f32,
     top_p: Option<f32>,
     top_k: Option<u64>,
-) -> Result<SamplerConfig, BadRequest> {
-    let mut s = crate::openai::default_sampling();
-    if let Some(t) = temperature {
-        if !(0.0..=max_temperature).contains(&t) {
-            return Err(BadRequest::new(
-                format!("temperature must be between 0 and {max_temperature}"),
-                Some("temperature"),
-            ));
+    min_p: Option<f32>,
+    seed: Option<u64>,
+    n: Option<u64>,
+}
+
+impl SamplingFields {
+    /// The server's defaults with the request's fields applied; the seed is
+    /// the clock's when the request gives none.
+    pub fn config(&self, max_temperature: f32) -> Result<SamplerConfig, BadRequest> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(BadRequest::new("only n = 1 is supported", Some("n")));
         }
-        s.temperature = t;
-    }
-    if let Some(p) = top_p {
-        if !(p > 0.0 && p <= 1.0) {
-            return Err(BadRequest::new("top_p must be in (0, 1]", Some("top_p")));
+        let mut s = crate::openai::default_sampling();
+        if let Some(t) = self.temperature {
+            if !(0.0..=max_temperature).contains(&t) {
+                return Err(BadRequest::new(
+                    format!("temperature must be between 0 and {max_temperature}"),
+                    Some("temperature"),
+                ));
+            }
+            s.temperature = t;
         }
-        s.top_p = p;
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(BadRequest::new("top_p must be in (0, 1]", Some("top_p")));
+            }
+            s.top_p = p;
+        }
+        if let Some(k) = self.top_k {
+            s.top_k = usize::try_from(k).unwrap_or(usize::MAX);
+        }
+        if let Some(m) = self.min_p {
+            if !(0.0..=1.0).contains(&m) {
+                return Err(BadRequest::new("min_p must be in [0, 1]", Some("min_p")));
+            }
+            s.min_p = m;
+        }
+        s.seed = self.seed.unwrap_or_else(clock_seed);
+        Ok(s)
     }
-    if let Some(k) = top_k {
-        s.top_k = k as usize;
-    }
-    s.seed = clock_seed();
-    Ok(s)
 }
 
 /// The thinking mode a request asks for (system spec §5.4–5.5), before context
@@ -253,13 +277,14 @@ pub trait Dialect: Send + Sync + 'static {
     /// `context_length_exceeded`, which Codex and opencode act on) unless the
     /// dialect says otherwise.
     fn overflow_message(&self, o: &Overflow) -> String {
+        let at_least = if o.at_least { "at least " } else { "" };
         match o.max_tokens {
             None => format!(
-                "This model's maximum context length is {} tokens. However, your messages resulted in {} tokens. Please reduce the length of the messages.",
+                "This model's maximum context length is {} tokens. However, your messages resulted in {at_least}{} tokens. Please reduce the length of the messages.",
                 o.n_ctx, o.prompt_tokens
             ),
             Some(m) => format!(
-                "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the messages, {m} in the completion). Please reduce the length of the messages or completion.",
+                "This model's maximum context length is {} tokens. However, you requested {at_least}{} tokens ({at_least}{} in the messages, {m} in the completion). Please reduce the length of the messages or completion.",
                 o.n_ctx,
                 o.prompt_tokens + m,
                 o.prompt_tokens
@@ -300,4 +325,60 @@ pub fn clock_seed() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    /// One field, one check, on every route: what chat refuses, Anthropic and
+    /// Responses refuse too (they used to ignore `min_p`, `n` and `seed`).
+    #[test]
+    fn sampling_fields_are_checked_alike_on_every_route() {
+        let chat = |extra: &str| {
+            crate::openai::parse_chat(
+                format!(r#"{{"messages":[{{"role":"user","content":"x"}}]{extra}}}"#).as_bytes(),
+            )
+            .err()
+        };
+        let completion = |extra: &str| {
+            crate::openai::parse_completion(format!(r#"{{"prompt":"x"{extra}}}"#).as_bytes()).err()
+        };
+        let messages = |extra: &str| {
+            crate::anthropic::parse_messages(
+                format!(
+                    r#"{{"max_tokens":5,"messages":[{{"role":"user","content":"x"}}]{extra}}}"#
+                )
+                .as_bytes(),
+            )
+            .err()
+        };
+        let responses = |extra: &str| {
+            crate::responses::parse(format!(r#"{{"input":"x"{extra}}}"#).as_bytes()).err()
+        };
+        type Parse<'a> = &'a dyn Fn(&str) -> Option<super::BadRequest>;
+        let routes: [(&str, Parse); 4] = [
+            ("chat", &chat),
+            ("completions", &completion),
+            ("messages", &messages),
+            ("responses", &responses),
+        ];
+        for (route, parse) in routes {
+            for (extra, names) in [
+                (r#","min_p":5"#, "min_p"),
+                (r#","n":2"#, "n"),
+                (r#","top_p":0"#, "top_p"),
+                (r#","seed":1e30"#, "seed"),
+                (r#","seed":-1"#, "seed"),
+                (r#","top_k":"many""#, "top_k"),
+            ] {
+                let e = parse(extra).unwrap_or_else(|| panic!("{route} accepted {extra}"));
+                assert!(
+                    e.param == Some(names) || e.message.contains("invalid"),
+                    "{route} {extra}: {e:?}"
+                );
+            }
+            for ok in [r#","min_p":0.1,"n":1,"seed":7,"top_k":5,"top_p":0.5"#, ""] {
+                assert_eq!(parse(ok), None, "{route} refused {ok}");
+            }
+        }
+    }
 }

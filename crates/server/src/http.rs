@@ -9,14 +9,13 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Request as HttpRequest, State};
-use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
-use axum::middleware::{self, Next};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use ds4_chat::tools::ToolParser;
-use ds4_chat::{ChatMl, DeepSeek, RenderOptions, Template, ThinkMode};
+use ds4_chat::{Template, ThinkMode};
 use ds4_engine::Model;
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Value};
@@ -26,11 +25,12 @@ use crate::dialect::{Dialect, ErrorKind, Gen, Input, Request};
 use crate::metrics::Metrics;
 use crate::normalize::Normalizer;
 use crate::openai::{self, Kind, OpenAi};
-use crate::tooling::{ReplayStats, ToolMemory};
+use crate::prepare::{prepare, Refusal};
 use crate::trace::Trace;
 use crate::turn::{Shaper, Turn};
-use crate::worker::{
-    Event, FinishReason, Gate, Job, JobError, SubmitError, TokenLimit, Usage, WorkerHandle,
+use ds4_runtime::ToolMemory;
+use ds4_runtime::{
+    Event, FinishReason, Job, JobError, RuntimeHandle, SubmitError, TokenLimit, Usage,
 };
 
 /// Server settings.
@@ -38,7 +38,13 @@ use crate::worker::{
 pub struct ServerConfig {
     pub api_key: Option<String>,
     pub cors: bool,
-    pub max_body_bytes: usize,
+    /// The largest request body; `None`: [`default_body_limit`] of the context.
+    pub max_body_bytes: Option<usize>,
+    /// Time allowed to receive a request's body.
+    pub body_timeout: Duration,
+    /// `Some` when the server listens on loopback: the `Host` names it answers
+    /// besides loopback ones (`--allowed-host`); `None`: any Host.
+    pub allowed_hosts: Option<Vec<String>>,
     /// Generation limit when a request gives none.
     pub default_max_tokens: usize,
     /// The id `/v1/models` lists and responses echo by default.
@@ -55,7 +61,9 @@ impl Default for ServerConfig {
         ServerConfig {
             api_key: None,
             cors: false,
-            max_body_bytes: 32 << 20,
+            max_body_bytes: None,
+            body_timeout: Duration::from_secs(60),
+            allowed_hosts: Some(vec![]),
             default_max_tokens: 512,
             model_name: "ds4".into(),
             normalize: Some(vec![]),
@@ -66,7 +74,9 @@ impl Default for ServerConfig {
 
 pub(crate) struct AppState {
     pub cfg: ServerConfig,
-    pub worker: WorkerHandle,
+    /// The body cap in force (the setting, or the context's default).
+    pub max_body_bytes: usize,
+    pub runtime: RuntimeHandle,
     /// The served model, for tokenizing on the HTTP side (token counts).
     pub model: Arc<Model>,
     pub template: Option<Box<dyn Template>>,
@@ -74,35 +84,38 @@ pub(crate) struct AppState {
     pub grammar: Result<ds4_grammar::Vocab, String>,
     pub metrics: Arc<Metrics>,
     pub tool_memory: Arc<ToolMemory>,
-    trace: Option<Arc<Trace>>,
-    normalizer: Normalizer,
+    pub trace: Option<Arc<Trace>>,
+    pub normalizer: Normalizer,
+    /// Permits for request CPU work ([`cpu`]): one per core.
+    cpu_slots: tokio::sync::Semaphore,
 }
 
-/// The chat template a model is served with: its family's own where the family
-/// has one (DeepSeek V4), else the GGUF's `chat_template` when it is ChatML;
-/// `None` when neither (completions only).
-pub fn template_for(model: &Model) -> Option<Box<dyn Template>> {
-    match model.family_name() {
-        "deepseek4" => Some(Box::new(DeepSeek)),
-        _ => model
-            .chat_template()
-            .and_then(ChatMl::from_template)
-            .map(|t| Box::new(t) as Box<dyn Template>),
-    }
+/// The default body cap: six bytes of JSON (a `\u0000` escape) for every byte
+/// a full context can hold (`n_ctx` tokens of the longest piece), at least 1
+/// MiB. A body is read whole before anything else, so this is what one request
+/// can make the server hold: 1.9 MiB at 4096 tokens of SmolLM2 (81-byte longest
+/// token), 15.2 MiB at 32768.
+pub fn default_body_limit(tok: &ds4_engine::Tokenizer, n_ctx: usize) -> usize {
+    n_ctx
+        .saturating_mul(tok.longest_piece())
+        .saturating_mul(6)
+        .max(1 << 20)
 }
 
 /// Builds the router over a running worker of `model`; `tool_memory` is shared
 /// with the worker's checkpoints. Fails only on an invalid normalisation pattern.
 pub fn router(
     cfg: ServerConfig,
-    worker: WorkerHandle,
+    runtime: RuntimeHandle,
     model: Arc<Model>,
     metrics: Arc<Metrics>,
     tool_memory: Arc<ToolMemory>,
     trace: Option<Arc<Trace>>,
 ) -> Result<Router, regex::Error> {
-    let max_body = cfg.max_body_bytes;
-    let template = template_for(&model);
+    let max_body = cfg
+        .max_body_bytes
+        .unwrap_or_else(|| default_body_limit(&model.tokenizer, cfg.n_ctx));
+    let template = ds4_runtime::template_for(&model);
     // A finished grammar must end the turn: the template's end-of-turn token,
     // or the vocabulary's end of text for raw completions.
     let end_of_turn = template
@@ -119,7 +132,8 @@ pub fn router(
     };
     let state = Arc::new(AppState {
         cfg,
-        worker,
+        max_body_bytes: max_body,
+        runtime,
         model,
         template,
         grammar,
@@ -127,6 +141,9 @@ pub fn router(
         tool_memory,
         trace,
         normalizer,
+        cpu_slots: tokio::sync::Semaphore::new(
+            std::thread::available_parallelism().map_or(2, |n| n.get()),
+        ),
     });
     Ok(Router::new()
         .route("/v1/chat/completions", post(chat_completions))
@@ -141,16 +158,20 @@ pub fn router(
         .route("/", get(root))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
+        .route("/slots", get(slots))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body))
-        .layer(middleware::from_fn_with_state(Arc::clone(&state), guard))
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            crate::admit::guard,
+        ))
         .with_state(state))
 }
 
 /// The dialect whose error shape answers a request to `path` that no handler
 /// parsed (authentication, body size, unknown routes).
-fn dialect_for_path(path: &str) -> Arc<dyn Dialect> {
+pub(crate) fn dialect_for_path(path: &str) -> Arc<dyn Dialect> {
     if path.starts_with("/v1/messages") {
         return Arc::new(crate::anthropic::Anthropic::default());
     }
@@ -175,74 +196,50 @@ async fn method_not_allowed(req: HttpRequest) -> Response {
     )
 }
 
-/// API key check, CORS headers and preflight, and dialect-shaped errors for
-/// oversized bodies.
-async fn guard(State(st): State<Arc<AppState>>, req: HttpRequest, next: Next) -> Response {
-    let path = req.uri().path().to_string();
-    let d = dialect_for_path(&path);
-    let mut r = if req.method() == Method::OPTIONS {
-        StatusCode::NO_CONTENT.into_response()
-    } else if !authorized(&st.cfg, req.headers()) {
-        d.error(
-            StatusCode::UNAUTHORIZED,
-            "invalid or missing API key (send `Authorization: Bearer KEY` or `x-api-key: KEY`)",
-            ErrorKind::Authentication,
-        )
-    } else {
-        let r = ROUTE.scope(path.clone(), next.run(req)).await;
-        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            let msg = format!(
-                "request body is larger than --max-body-bytes ({})",
-                st.cfg.max_body_bytes
-            );
-            d.error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                &msg,
-                ErrorKind::InvalidRequest,
-            )
-        } else {
-            r
-        }
-    };
-    if st.cfg.cors {
-        add_cors(r.headers_mut());
-    }
-    st.metrics.request(&path, r.status().as_u16());
-    r
-}
-
 tokio::task_local! {
     /// The path of the request a handler is serving, for the trace.
-    static ROUTE: String;
+    pub(crate) static ROUTE: String;
+    /// The session ids its headers name (opencode's `x-session-affinity` and
+    /// `x-session-id`, Codex's `session_id`), as affinity keys.
+    pub(crate) static SESSION_KEYS: Vec<String>;
 }
 
-fn authorized(cfg: &ServerConfig, h: &HeaderMap) -> bool {
-    let Some(key) = &cfg.api_key else {
-        return true;
-    };
-    let bearer = h
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok());
-    bearer == Some(key.as_str()) || x_api_key == Some(key.as_str())
-}
-
-fn add_cors(h: &mut HeaderMap) {
-    h.insert("access-control-allow-origin", HeaderValue::from_static("*"));
-    h.insert(
-        "access-control-allow-methods",
-        HeaderValue::from_static("GET, POST, OPTIONS"),
-    );
-    h.insert(
-        "access-control-allow-headers",
-        HeaderValue::from_static("*"),
-    );
+/// The affinity keys of a request's headers ([`SESSION_KEYS`]).
+pub(crate) fn session_keys(h: &axum::http::HeaderMap) -> Vec<String> {
+    ["x-session-affinity", "x-session-id", "session_id"]
+        .iter()
+        .filter_map(|name| h.get(*name)?.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 256)
+        .map(|v| format!("session:{v}"))
+        .collect()
 }
 
 async fn metrics_text(State(st): State<Arc<AppState>>) -> Response {
-    let body = st.metrics.render(st.worker.queue_depth());
+    if let Some(u) = st.runtime.store_usage() {
+        st.metrics.store(&u);
+    }
+    let body = st
+        .metrics
+        .render(st.runtime.queue_depth(), &st.runtime.slots());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
+/// `GET /slots`: each slot's state (busy, tokens held, the SHA-1 of the text
+/// they stand for, idle seconds, state bytes).
+async fn slots(State(st): State<Arc<AppState>>) -> Json<Value> {
+    let slots: Vec<Value> = st
+        .runtime
+        .slots()
+        .iter()
+        .map(|s| {
+            json!({
+                "id": s.id, "busy": s.busy, "tokens": s.tokens, "n_ctx": s.n_ctx,
+                "text_sha1": s.text_sha1.iter().map(|b| format!("{b:02x}")).collect::<String>(),
+                "idle_s": s.idle_s, "state_bytes": s.state_bytes,
+            })
+        })
+        .collect();
+    Json(json!({ "slots": slots, "queue_depth": st.runtime.queue_depth() }))
 }
 
 /// `GET /` and `HEAD /` (Claude Code's connectivity check before a session).
@@ -251,7 +248,7 @@ async fn root(State(st): State<Arc<AppState>>) -> Json<Value> {
 }
 
 async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({ "status": "ok", "queue_depth": st.worker.queue_depth() }))
+    Json(json!({ "status": "ok", "queue_depth": st.runtime.queue_depth() }))
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
@@ -267,7 +264,7 @@ async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
 
 async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let d: Arc<dyn Dialect> = Arc::new(OpenAi(Kind::Chat));
-    match openai::parse_chat(&body) {
+    match cpu(&st, move |_| openai::parse_chat(&body)).await {
         Ok(p) => run(st, p, d).await,
         Err(e) => d.bad_request(e),
     }
@@ -275,7 +272,7 @@ async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Respo
 
 async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let d: Arc<dyn Dialect> = Arc::new(OpenAi(Kind::Completion));
-    match openai::parse_completion(&body) {
+    match cpu(&st, move |_| openai::parse_completion(&body)).await {
         Ok(p) => run(st, p, d).await,
         Err(e) => d.bad_request(e),
     }
@@ -285,6 +282,34 @@ fn now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+/// Runs CPU work of a request (parsing, rendering, tokenizing, compiling a
+/// grammar) on a blocking thread, at most one per core at a time, so that
+/// neither the async threads nor the engine wait for it. A panic in `f`
+/// propagates as if it had run here.
+pub(crate) async fn cpu<T: Send + 'static>(
+    st: &Arc<AppState>,
+    f: impl FnOnce(&AppState) -> T + Send + 'static,
+) -> T {
+    let _slot = st.cpu_slots.acquire().await;
+    let st = Arc::clone(st);
+    match tokio::task::spawn_blocking(move || f(&st)).await {
+        Ok(v) => v,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
+/// The 400 a refused request gets, in the dialect's shape.
+pub(crate) fn refuse(d: &dyn Dialect, r: Refusal) -> Response {
+    match r {
+        Refusal::Invalid(m) => d.error(StatusCode::BAD_REQUEST, &m, ErrorKind::InvalidRequest),
+        Refusal::Overflow(o) => job_error(d, &JobError::ContextLength(o)),
+        Refusal::Schema(m) => d.bad_request(crate::dialect::BadRequest::new(
+            format!("the output schema cannot be used: {m}"),
+            None,
+        )),
+    }
 }
 
 /// The error response a job failure turns into, in the dialect's shape.
@@ -304,177 +329,22 @@ fn job_error(d: &dyn Dialect, e: &JobError) -> Response {
     d.error(status, &e.to_string(), kind)
 }
 
-/// A request rendered for the engine.
-pub(crate) struct Rendered {
-    pub prompt: String,
-    /// How the output is read back: tool calls when tools are active.
-    pub parser: Option<Box<dyn ToolParser>>,
-    /// The forced opening of a tool call the prompt ends with, if any.
-    pub forced: Option<String>,
-    /// The thinking mode the prompt was rendered in.
-    pub think: ThinkMode,
-    pub replay: ReplayStats,
-    /// Byte offsets of the client's cache breakpoints in `prompt`.
-    pub breakpoints: Vec<usize>,
-    pub grammar: Option<GrammarPlan>,
-}
-
-/// What the output of a request is held to.
-pub(crate) enum GrammarPlan {
-    /// A forced tool call (the prompt ends with the call's opening): the
-    /// family's call grammar from the first token.
-    ForcedCall(String),
-    /// Tools offered, the model free to call one: the call grammar once it
-    /// writes the opening (`trigger`) itself.
-    Call {
-        trigger: &'static str,
-        grammar: String,
-    },
-    /// Structured output: JSON valid against the request's schema.
-    Json(String),
-}
-
-/// Renders a request: a raw prompt as is, messages (normalised, with remembered
-/// tool-call text attached) with the model's chat template.
-pub(crate) fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'static str> {
-    let (messages, t) = match (&mut p.input, &st.template) {
-        (Input::Raw(s), _) => {
-            return Ok(Rendered {
-                prompt: s.clone(),
-                parser: None,
-                forced: None,
-                think: ThinkMode::None,
-                replay: ReplayStats::default(),
-                breakpoints: vec![],
-                grammar: json_plan(&p.agent),
-            })
-        }
-        (Input::Messages(m), Some(t)) => (m, t),
-        (Input::Messages(_), None) => {
-            return Err("this model has no chat template; use /v1/completions")
-        }
-    };
-    st.normalizer.apply(messages);
-    let replay = st.tool_memory.attach(messages);
-    let think = if t.supports_thinking() {
-        p.agent.think.for_context(st.cfg.n_ctx)
-    } else {
-        ThinkMode::None
-    };
-    let tools = p.agent.active_tools();
-    let mut prompt = t.render(
-        messages,
-        &RenderOptions {
-            tools,
-            think,
-            add_generation_prompt: true,
-        },
-    );
-    let syntax = t.tool_syntax();
-    // A forced call in thinking mode comes after an empty reasoning block: a
-    // call inside the reasoning would never be read.
-    let forced = if tools.is_empty() {
-        None
-    } else {
-        syntax
-            .forced_prefix(&p.agent.tool_choice)
-            .map(|f| match think.is_thinking() {
-                true => format!("{}{f}", ds4_chat::think::THINK_CLOSE),
-                false => f,
-            })
-    };
-    // A breakpoint is the end of its message: where rendering the conversation up
-    // to it ends, when that is a prefix of the prompt (append-only templates).
-    let breakpoints = p
-        .agent
-        .cache_breakpoints
-        .iter()
-        .filter_map(|&i| {
-            let upto = messages.get(..=i)?;
-            let prefix = t.render(
-                upto,
-                &RenderOptions {
-                    tools,
-                    think,
-                    add_generation_prompt: false,
-                },
-            );
-            prompt.starts_with(&prefix).then_some(prefix.len())
-        })
-        .collect();
-    if let Some(f) = &forced {
-        prompt.push_str(f);
-    }
-    // A forced call first, then structured output, then a call the model may open.
-    let call_grammar = syntax.call_grammar(tools, &p.agent.tool_choice, !p.agent.single_call);
-    let grammar = match (forced.is_some(), call_grammar, syntax.call_trigger()) {
-        (true, Some(g), _) => Some(GrammarPlan::ForcedCall(g)),
-        (false, Some(grammar), Some(trigger)) if p.agent.json_schema.is_none() => {
-            Some(GrammarPlan::Call { trigger, grammar })
-        }
-        _ => json_plan(&p.agent),
-    };
-    Ok(Rendered {
-        prompt,
-        breakpoints,
-        grammar,
-        parser: (!tools.is_empty()).then(|| syntax.parser(tools)),
-        forced,
-        think,
-        replay,
-    })
-}
-
-/// Structured output's plan: one JSON value valid against the request's schema.
-fn json_plan(agent: &crate::dialect::AgentOptions) -> Option<GrammarPlan> {
-    let schema = agent.json_schema.as_ref()?;
-    Some(GrammarPlan::Json(format!(
-        "start: {}",
-        ds4_chat::tools::json_rule(schema)
-    )))
-}
-
-/// Compiles a request's grammar plan. A tool-call grammar that does not compile
-/// (a schema the engine cannot hold) leaves the call unconstrained — parsed as
-/// before, with a trace note; a structured-output schema that does not compile
-/// is the client's to fix (400).
-fn compile(st: &AppState, id: &str, plan: GrammarPlan) -> Result<Option<Gate>, String> {
-    let vocab = match &st.grammar {
-        Ok(v) => v,
-        Err(why) => {
-            return match plan {
-                GrammarPlan::Json(_) => Err(format!(
-                    "structured output is not available for this model: {why}"
-                )),
-                _ => Ok(None),
-            }
-        }
-    };
-    let (text, trigger) = match &plan {
-        GrammarPlan::ForcedCall(g) | GrammarPlan::Json(g) => (g, None),
-        GrammarPlan::Call { trigger, grammar } => (grammar, Some(*trigger)),
-    };
-    match vocab.constraint(text) {
-        Ok(constraint) => Ok(Some(Gate {
-            constraint,
-            trigger,
-        })),
-        Err(e) if matches!(plan, GrammarPlan::Json(_)) => Err(e.to_string()),
-        Err(e) => {
-            if let Some(t) = &st.trace {
-                t.write(json!({ "event": "grammar_unusable", "id": id, "error": e.to_string() }));
-            }
-            Ok(None)
-        }
-    }
-}
-
 /// Runs a parsed request of any dialect: renders the prompt, queues the job and
 /// answers in the dialect's JSON or SSE shape.
-pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) -> Response {
-    let r = match render(&st, &mut p) {
+pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> Response {
+    // Random, not a per-process counter: ids do not reveal how many requests
+    // the server has served, nor repeat after a restart.
+    let id = crate::tooling::random_id(&format!("{}-", d.id_prefix()));
+    let job_id = id.clone();
+    let (p, prepared) = cpu(&st, move |st| {
+        let mut p = p;
+        let r = prepare(st, &mut p, &job_id);
+        (p, r)
+    })
+    .await;
+    let r = match prepared {
         Ok(r) => r,
-        Err(msg) => return d.error(StatusCode::BAD_REQUEST, msg, ErrorKind::InvalidRequest),
+        Err(refusal) => return refuse(d.as_ref(), refusal),
     };
     let mut sampling = p.sampling.clone();
     if r.think != ThinkMode::None {
@@ -489,50 +359,21 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
     }
     let shaper = Shaper::new(r.think, r.parser, r.forced.as_deref(), d.call_id_prefix());
     let (tx, mut rx) = mpsc::channel(256);
-    // Random, not a per-process counter: ids do not reveal how many requests
-    // the server has served, nor repeat after a restart.
-    let id = crate::tooling::random_id(&format!("{}-", d.id_prefix()));
-    let gate = match r.grammar {
-        None => None,
-        Some(plan) => {
-            // Compiling a grammar (dozens of tool schemas) is CPU work: off the
-            // async threads.
-            let (st2, id2) = (Arc::clone(&st), id.clone());
-            match tokio::task::spawn_blocking(move || compile(&st2, &id2, plan)).await {
-                Ok(Ok(g)) => g,
-                Ok(Err(msg)) => {
-                    return d.bad_request(crate::dialect::BadRequest::new(
-                        format!("the output schema cannot be used: {msg}"),
-                        None,
-                    ))
-                }
-                Err(e) => {
-                    return d.error(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        &format!("grammar compilation failed: {e}"),
-                        ErrorKind::Server,
-                    )
-                }
-            }
-        }
-    };
     let job = Job {
         id: id.clone(),
         route: ROUTE.try_with(Clone::clone).unwrap_or_default(),
         prompt: r.prompt,
+        ids: r.ids,
         sampling,
-        limit: match p.max_tokens {
-            Some(m) => TokenLimit::Requested(m),
-            None => TokenLimit::Default(st.cfg.default_max_tokens),
-        },
+        limit: TokenLimit::of(p.max_tokens, st.cfg.default_max_tokens),
         stop: p.stop.clone(),
-        replay: r.replay,
-        cache_key: p.agent.cache_key.clone(),
+        affinity: affinity(&p),
         breakpoints: r.breakpoints,
-        gate,
+        gate: r.gate,
+        meta: json!({ "tool_replay": { "exact": r.replay.exact, "canonical": r.replay.canonical } }),
         events: tx,
     };
-    match st.worker.submit(job) {
+    match st.runtime.submit(job) {
         Ok(()) => {}
         Err(SubmitError::QueueFull) => {
             let mut r = d.error(
@@ -562,13 +403,14 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
         let mut shaper = shaper;
         while let Some(ev) = rx.recv().await {
             match ev {
-                Event::Started(_) => {}
+                Event::Started(_) | Event::Progress { .. } => {}
                 Event::Text(t) => {
                     shaper.push(&t);
                 }
                 Event::Done { finish, usage } => {
+                    let finish = cut_short(finish);
                     let (_, turn) = shaper.finish();
-                    let finish = end_turn(&st, &g, &turn, finish);
+                    let finish = end_turn(&st, &g, &turn, finish, &usage);
                     let mut r = Json(d.complete(&g, &turn, finish, &usage)).into_response();
                     cache_header(&mut r, &usage);
                     return r;
@@ -604,6 +446,7 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
         async move {
             let (mut rx, mut shaper) = state?;
             let out = match rx.recv().await {
+                Some(Event::Progress { .. }) => return Some((vec![], Some((rx, shaper)))),
                 Some(Event::Text(t)) => {
                     let events = shaper
                         .push(&t)
@@ -613,8 +456,9 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
                     return Some((events, Some((rx, shaper))));
                 }
                 Some(Event::Done { finish, usage }) => {
+                    let finish = cut_short(finish);
                     let (pieces, turn) = shaper.finish();
-                    let finish = end_turn(&st, &g, &turn, finish);
+                    let finish = end_turn(&st, &g, &turn, finish, &usage);
                     let mut events: Vec<SseEvent> = pieces
                         .iter()
                         .flat_map(|piece| d.stream_piece(&g, piece))
@@ -634,10 +478,41 @@ pub(crate) async fn run(st: Arc<AppState>, mut p: Request, d: Arc<dyn Dialect>) 
     r
 }
 
+/// The keys of the conversation `p` continues: its body's, its headers', and
+/// the ids of the tool calls its history replays.
+fn affinity(p: &Request) -> Vec<String> {
+    let mut keys = p.agent.affinity.clone();
+    keys.extend(SESSION_KEYS.try_with(Clone::clone).unwrap_or_default());
+    if let Input::Messages(messages) = &p.input {
+        keys.extend(
+            messages
+                .iter()
+                .flat_map(|m| &m.tool_calls)
+                .map(|c| format!("call:{}", c.id)),
+        );
+    }
+    keys
+}
+
+/// A job the runtime ended early (the server is stopping) reads as one cut at
+/// its limit: the dialects have no word for a cancellation.
+fn cut_short(finish: FinishReason) -> FinishReason {
+    match finish {
+        FinishReason::Cancelled => FinishReason::Length,
+        f => f,
+    }
+}
+
 /// Bookkeeping at the end of a turn: notes a call that degraded to text,
 /// remembers the exact text of its tool calls, and returns the finish reason the
 /// client sees.
-fn end_turn(st: &AppState, g: &Gen, turn: &Turn, finish: FinishReason) -> FinishReason {
+fn end_turn(
+    st: &AppState,
+    g: &Gen,
+    turn: &Turn,
+    finish: FinishReason,
+    usage: &Usage,
+) -> FinishReason {
     if let Some(reason) = &turn.malformed {
         eprintln!(
             "request {}: a malformed tool call was returned as text: {reason}",
@@ -652,6 +527,12 @@ fn end_turn(st: &AppState, g: &Gen, turn: &Turn, finish: FinishReason) -> Finish
     }
     let ids: Vec<String> = turn.calls.iter().map(|c| c.id.clone()).collect();
     st.tool_memory.remember(&ids, &turn.calls_raw);
+    // The next request replays these calls: it continues this slot's
+    // conversation.
+    st.runtime.tag(
+        usage.slot,
+        ids.iter().map(|id| format!("call:{id}")).collect(),
+    );
     FinishReason::ToolCalls
 }
 

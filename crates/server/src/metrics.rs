@@ -1,13 +1,14 @@
 //! Counters for `GET /metrics`, in the Prometheus text format. Updated by the
-//! HTTP side (requests by route and status) and by the engine worker (tokens,
-//! seconds, cache hits, checkpoint store), read by the scrape handler.
+//! HTTP side (requests by route and status) and by the runtime's notices
+//! (tokens, seconds, queue wait, cache hits); the checkpoint store and the
+//! slots are read from the runtime at each scrape.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use crate::worker::CacheSource;
+use ds4_runtime::{CacheSource, SlotInfo, StoreUsage};
 
 #[derive(Default)]
 pub struct Metrics {
@@ -17,11 +18,14 @@ pub struct Metrics {
     generated_tokens: AtomicU64,
     prefill_micros: AtomicU64,
     decode_micros: AtomicU64,
+    queue_micros: AtomicU64,
     /// Indexed like [`SOURCES`].
     cache_hits: [AtomicU64; 4],
     kv_files: AtomicU64,
     kv_bytes: AtomicU64,
     kv_evictions: AtomicU64,
+    kv_save_failures: AtomicU64,
+    connections_refused: AtomicU64,
 }
 
 const SOURCES: [CacheSource; 4] = [
@@ -38,6 +42,8 @@ pub struct JobStats {
     pub generated_tokens: usize,
     pub prefill_s: f64,
     pub decode_s: f64,
+    /// Seconds it waited for a slot.
+    pub queue_s: f64,
     pub source: CacheSource,
 }
 
@@ -75,20 +81,30 @@ impl Metrics {
             .fetch_add((s.prefill_s * 1e6) as u64, Ordering::Relaxed);
         self.decode_micros
             .fetch_add((s.decode_s * 1e6) as u64, Ordering::Relaxed);
+        self.queue_micros
+            .fetch_add((s.queue_s * 1e6) as u64, Ordering::Relaxed);
         if let Some(i) = SOURCES.iter().position(|&x| x == s.source) {
             self.cache_hits[i].fetch_add(1, Ordering::Relaxed);
         }
     }
 
-    /// The checkpoint store's current size and its evictions so far.
-    pub fn store(&self, files: usize, bytes: u64, evictions: u64) {
-        self.kv_files.store(files as u64, Ordering::Relaxed);
-        self.kv_bytes.store(bytes, Ordering::Relaxed);
-        self.kv_evictions.store(evictions, Ordering::Relaxed);
+    /// The checkpoint store's current size, its evictions and failed saves so far.
+    pub fn store(&self, u: &StoreUsage) {
+        self.kv_files.store(u.files as u64, Ordering::Relaxed);
+        self.kv_bytes.store(u.bytes, Ordering::Relaxed);
+        self.kv_evictions.store(u.evictions, Ordering::Relaxed);
+        self.kv_save_failures
+            .store(u.save_failures, Ordering::Relaxed);
     }
 
-    /// The Prometheus text exposition.
-    pub fn render(&self, queue_depth: usize) -> String {
+    /// Counts a connection refused at the connection cap; returns the count.
+    pub fn connection_refused(&self) -> u64 {
+        self.connections_refused.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// The Prometheus text exposition, with the runtime's queue depth and
+    /// slots.
+    pub fn render(&self, queue_depth: usize, slots: &[SlotInfo]) -> String {
         let mut out = String::new();
         let mut family = |name: &str, kind: &str, help: &str| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
@@ -148,6 +164,12 @@ impl Metrics {
             "Seconds spent generating.",
             format!("{:.6}", load(&self.decode_micros) as f64 / 1e6),
         );
+        counter(
+            &mut out,
+            "ds4_queue_wait_seconds_total",
+            "Seconds requests waited for a slot.",
+            format!("{:.6}", load(&self.queue_micros) as f64 / 1e6),
+        );
         let _ = writeln!(out, "# HELP ds4_cache_hits_total Generations by where their reused state came from.\n# TYPE ds4_cache_hits_total counter");
         for (s, n) in SOURCES.iter().zip(&self.cache_hits) {
             let _ = writeln!(
@@ -178,12 +200,49 @@ impl Metrics {
             "Checkpoints evicted to stay under budget.",
             load(&self.kv_evictions).to_string(),
         );
+        counter(
+            &mut out,
+            "ds4_kv_store_save_failures_total",
+            "Checkpoint saves that failed (full disk, permissions, I/O errors).",
+            load(&self.kv_save_failures).to_string(),
+        );
+        counter(
+            &mut out,
+            "ds4_connections_refused_total",
+            "Connections refused at --max-connections.",
+            load(&self.connections_refused).to_string(),
+        );
         gauge(
             &mut out,
             "ds4_queue_depth",
             "Requests queued or running.",
             queue_depth as u64,
         );
+        for (name, help, kind, value) in [
+            (
+                "ds4_slot_busy",
+                "Whether the slot runs a request.",
+                "gauge",
+                &(|s: &SlotInfo| u64::from(s.busy).to_string()) as &dyn Fn(&SlotInfo) -> String,
+            ),
+            (
+                "ds4_slot_tokens",
+                "Tokens the slot's session holds.",
+                "gauge",
+                &|s: &SlotInfo| s.tokens.to_string(),
+            ),
+            (
+                "ds4_slot_idle_seconds",
+                "Seconds since the slot's last request ended.",
+                "gauge",
+                &|s: &SlotInfo| format!("{:.3}", s.idle_s),
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for s in slots {
+                let _ = writeln!(out, "{name}{{slot=\"{}\"}} {}", s.id, value(s));
+            }
+        }
         out
     }
 }
@@ -204,10 +263,26 @@ mod tests {
             generated_tokens: 3,
             prefill_s: 0.5,
             decode_s: 0.25,
+            queue_s: 0.125,
             source: CacheSource::MemoryText,
         });
-        m.store(2, 1000, 1);
-        let t = m.render(3);
+        m.store(&StoreUsage {
+            files: 2,
+            bytes: 1000,
+            evictions: 1,
+            save_failures: 4,
+        });
+        m.connection_refused();
+        let slot = SlotInfo {
+            id: 1,
+            busy: true,
+            tokens: 42,
+            n_ctx: 4096,
+            text_sha1: [0; 20],
+            idle_s: 0.0,
+            state_bytes: 0,
+        };
+        let t = m.render(3, &[slot]);
         for line in [
             "ds4_requests_total{route=\"/v1/chat/completions\",status=\"200\"} 2",
             "ds4_requests_total{route=\"other\",status=\"404\"} 1",
@@ -220,7 +295,12 @@ mod tests {
             "ds4_kv_store_files 2",
             "ds4_kv_store_bytes 1000",
             "ds4_kv_store_evictions_total 1",
+            "ds4_kv_store_save_failures_total 4",
+            "ds4_connections_refused_total 1",
             "ds4_queue_depth 3",
+            "ds4_queue_wait_seconds_total 0.125000",
+            "ds4_slot_busy{slot=\"1\"} 1",
+            "ds4_slot_tokens{slot=\"1\"} 42",
         ] {
             assert!(t.lines().any(|l| l == line), "{line:?} missing from\n{t}");
         }

@@ -14,25 +14,21 @@ use serde_json::{json, Value};
 
 use crate::dialect::{
     data, think_control, think_mode, AgentOptions, BadRequest, Dialect, ErrorKind, Gen, Input,
-    Request,
+    Request, SamplingFields,
 };
 use crate::turn::{CallOut, Piece, Turn};
-use crate::worker::{FinishReason, Usage};
+use ds4_runtime::{FinishReason, Usage};
 
 #[derive(Deserialize)]
 struct Common {
     model: Option<String>,
     max_tokens: Option<u64>,
     max_completion_tokens: Option<u64>,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
-    top_k: Option<u64>,
-    min_p: Option<f32>,
-    seed: Option<u64>,
+    #[serde(flatten)]
+    sampling: SamplingFields,
     stop: Option<Value>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
-    n: Option<u64>,
     logit_bias: Option<Value>,
     logprobs: Option<Value>,
     audio: Option<Value>,
@@ -107,9 +103,7 @@ fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, BadRequest> {
 }
 
 fn common(c: Common) -> Result<Request, BadRequest> {
-    if c.n.is_some_and(|n| n != 1) {
-        return Err(BadRequest::new("only n = 1 is supported", Some("n")));
-    }
+    let sampling = c.sampling.config(2.0)?;
     if c.logit_bias
         .as_ref()
         .is_some_and(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty()))
@@ -170,14 +164,6 @@ fn common(c: Common) -> Result<Request, BadRequest> {
             ))
         }
     };
-    let mut sampling = crate::dialect::sampling(c.temperature, 2.0, c.top_p, c.top_k)?;
-    if let Some(m) = c.min_p {
-        if !(0.0..=1.0).contains(&m) {
-            return Err(BadRequest::new("min_p must be in [0, 1]", Some("min_p")));
-        }
-        sampling.min_p = m;
-    }
-    sampling.seed = c.seed.unwrap_or_else(crate::dialect::clock_seed);
     let max_tokens = c.max_completion_tokens.or(c.max_tokens).map(|n| n as usize);
     let tools = crate::tooling::parse_tools(c.tools.as_ref())
         .map_err(|m| BadRequest::new(m, Some("tools")))?;
@@ -196,7 +182,11 @@ fn common(c: Common) -> Result<Request, BadRequest> {
             "reasoning_effort",
         )?,
         cache_breakpoints: vec![],
-        cache_key: c.prompt_cache_key,
+        affinity: c
+            .prompt_cache_key
+            .map(|k| format!("key:{k}"))
+            .into_iter()
+            .collect(),
         json_schema: crate::dialect::json_format(c.response_format.as_ref(), "response_format")?,
         single_call: c.parallel_tool_calls == Some(false),
     };
@@ -438,6 +428,7 @@ pub fn error_body(message: &str, kind: ErrorKind, param: Option<&str>) -> Value 
         ErrorKind::InvalidRequest => ("invalid_request_error", None),
         ErrorKind::ContextLength => ("invalid_request_error", Some("context_length_exceeded")),
         ErrorKind::Authentication => ("authentication_error", Some("invalid_api_key")),
+        ErrorKind::Forbidden => ("permission_error", None),
         ErrorKind::NotFound => ("not_found_error", None),
         ErrorKind::Overloaded => ("server_error", Some("overloaded")),
         ErrorKind::Server => ("server_error", None),
@@ -630,10 +621,11 @@ mod tests {
 
     #[test]
     fn overflows_carry_openais_wording_and_code() {
-        use crate::worker::Overflow;
+        use ds4_runtime::Overflow;
         let d = OpenAi(Kind::Chat);
         let o = Overflow {
             prompt_tokens: 9000,
+            at_least: false,
             max_tokens: None,
             n_ctx: 8192,
         };
@@ -642,6 +634,7 @@ mod tests {
             .starts_with("This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens."));
         let o = Overflow {
             prompt_tokens: 7000,
+            at_least: false,
             max_tokens: Some(2000),
             ..o
         };

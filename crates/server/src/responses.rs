@@ -24,12 +24,13 @@ use serde_json::{json, Value};
 
 use crate::dialect::{
     named, think_mode, AgentOptions, BadRequest, Dialect, ErrorKind, Gen, Input, Request,
+    SamplingFields,
 };
 use crate::http::{run, AppState};
 use crate::openai::{bad_request_response, error_response, tool_choice};
 use crate::turn::{CallOut, Piece, Turn};
-use crate::worker::{FinishReason, Usage};
 use ds4_chat::ToolCall;
+use ds4_runtime::{FinishReason, Usage};
 
 /// The request fields we read. `store`, `metadata`, `user`,
 /// `parallel_tool_calls` and `truncation` are type-checked and otherwise ignored
@@ -42,8 +43,8 @@ struct Body {
     input: Option<Value>,
     instructions: Option<String>,
     max_output_tokens: Option<u64>,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
+    #[serde(flatten)]
+    sampling: SamplingFields,
     stream: Option<bool>,
     #[allow(dead_code)] // accepted so that a wrong type is still a 400
     store: Option<bool>,
@@ -166,7 +167,11 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         tool_choice: tool_choice(b.tool_choice.as_ref())?,
         think: think_mode(control, effort.as_deref(), b.model.as_deref(), "reasoning")?,
         cache_breakpoints: vec![],
-        cache_key: b.prompt_cache_key,
+        affinity: b
+            .prompt_cache_key
+            .map(|k| format!("key:{k}"))
+            .into_iter()
+            .collect(),
         json_schema: crate::dialect::json_format(text_format.as_ref(), "text.format")?,
         single_call: b.parallel_tool_calls == Some(false),
     };
@@ -175,7 +180,7 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         return Err(bad("logprobs are not supported yet", "top_logprobs"));
     }
 
-    let sampling = crate::dialect::sampling(b.temperature, 2.0, b.top_p, None)?;
+    let sampling = b.sampling.config(2.0)?;
     if b.max_output_tokens == Some(0) {
         return Err(bad(
             "max_output_tokens must be at least 1",
@@ -365,7 +370,7 @@ fn content_text(v: Option<&Value>, i: usize) -> Result<String, BadRequest> {
 
 /// `POST /v1/responses`.
 pub(crate) async fn create(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    match parse(&body) {
+    match crate::http::cpu(&st, move |_| parse(&body)).await {
         Ok((p, d)) => run(st, p, Arc::new(d)).await,
         Err(e) => Responses::default().bad_request(e),
     }
@@ -466,7 +471,7 @@ fn output_items(
 fn statuses(finish: FinishReason) -> (&'static str, &'static str, Value) {
     match finish {
         FinishReason::Stop | FinishReason::ToolCalls => ("completed", "completed", Value::Null),
-        FinishReason::Length | FinishReason::ContextFull => (
+        FinishReason::Length | FinishReason::ContextFull | FinishReason::Cancelled => (
             "incomplete",
             "incomplete",
             json!({ "reason": "max_output_tokens" }),
@@ -663,7 +668,9 @@ impl Responses {
         let item = message_item(&msg_id, item_status, Some(text));
         let terminal = match finish {
             FinishReason::Stop | FinishReason::ToolCalls => "response.completed",
-            FinishReason::Length | FinishReason::ContextFull => "response.incomplete",
+            FinishReason::Length | FinishReason::ContextFull | FinishReason::Cancelled => {
+                "response.incomplete"
+            }
         };
         let r = self.object(
             g,
@@ -781,7 +788,7 @@ impl Dialect for Responses {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::CacheSource;
+    use ds4_runtime::CacheSource;
 
     fn messages(p: &Request) -> &[Message] {
         match &p.input {
@@ -874,7 +881,7 @@ mod tests {
             ds4_chat::ToolChoice::Named("ls".into())
         );
         assert_eq!(p.agent.think, ds4_chat::ThinkMode::None);
-        assert_eq!(p.agent.cache_key.as_deref(), Some("k"));
+        assert_eq!(p.agent.affinity, ["key:k"]);
     }
 
     #[test]
@@ -1033,6 +1040,8 @@ mod tests {
             completion_tokens: 3,
             cache_source: CacheSource::MemoryToken,
             miss: None,
+            slot: 0,
+            queue_s: 0.0,
         }
     }
 

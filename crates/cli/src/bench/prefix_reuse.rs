@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use ds4_engine::{Session, SessionOptions, ThreadPool};
-use ds4_kvstore::{ModelId, Payload, SaveOutcome, SaveReason, SaveRequest, Store, StoreConfig};
+use ds4_kvstore::{Payload, SaveOutcome, SaveReason, SaveRequest, Store, StoreConfig};
 
 use super::{Bench, BenchArgs};
 
@@ -94,10 +94,7 @@ fn measure(
         },
     )?;
     let text = model.tokenizer.prompt_text(cold.tokens());
-    let id = ModelId {
-        model_fp: cold.state_fingerprint(),
-        quant_fp: model.fingerprint.quant,
-    };
+    let id = ds4_runtime::model_id(&cold);
     let t = Instant::now();
     let mut write = |w: &mut dyn std::io::Write| {
         let mut w = std::io::BufWriter::with_capacity(1 << 20, w);

@@ -26,11 +26,11 @@
 use ds4_gguf::Gguf;
 use ds4_kernels::pool::ThreadPool;
 
-use super::transformer::{self, attend_layer, embed, output_head, Rows};
+use super::transformer::{self, embed, output_head, CoreLayer, Head, Pass, Rows};
 use super::{Bound, Family, FamilyEntry, Scratch, SeqStep};
 use crate::error::{EngineError, Result};
-use crate::model::{Binder, HParams, Model, TensorRef};
-use crate::ops::{add_rows, geglu, project, rms_norm_rows, rms_norm_rows_inplace, Precision, Rope};
+use crate::model::{Binder, HParams, Model};
+use crate::ops::{geglu, Precision, Rope};
 use crate::rope::RopeScaling;
 use crate::session::KvType;
 use crate::state::{KvLayerSpec, KvState, SeqState};
@@ -52,25 +52,15 @@ const LOCAL: usize = 0;
 const GLOBAL: usize = 1;
 
 struct LayerWeights {
-    attn_norm: Vec<f32>,
-    wq: TensorRef,
-    wk: TensorRef,
-    wv: TensorRef,
+    core: CoreLayer,
     q_norm: Vec<f32>,
     k_norm: Vec<f32>,
-    wo: TensorRef,
     post_attn_norm: Vec<f32>,
-    ffn_norm: Vec<f32>,
-    w_gate: TensorRef,
-    w_up: TensorRef,
-    w_down: TensorRef,
     post_ffw_norm: Vec<f32>,
 }
 
 pub(crate) struct Gemma3 {
-    tok_embd: TensorRef,
-    output_norm: Vec<f32>,
-    output: TensorRef,
+    head: Head,
     layers: Vec<LayerWeights>,
     /// `gemma3.attention.sliding_window`.
     window: usize,
@@ -120,40 +110,23 @@ impl Gemma3 {
             1.0 / (hp.head_dim as f32).sqrt()
         };
         let mut b = Binder::new(g);
-        let (n_embd, n_q, n_kv, hd) = (hp.n_embd, hp.n_embd_q(), hp.n_embd_kv(), hp.head_dim);
-        let tok_embd = b.matrix("token_embd.weight", n_embd, hp.n_vocab)?;
-        let output = if b.has("output.weight") {
-            b.matrix("output.weight", n_embd, hp.n_vocab)?
-        } else {
-            tok_embd
-        };
-        let output_norm = b.f32_vector("output_norm.weight", n_embd)?;
+        let head = Head::bind(&mut b, hp)?;
+        let (n_embd, hd) = (hp.n_embd, hp.head_dim);
         let layers = (0..hp.n_layer)
             .map(|il| {
-                let p = format!("blk.{il}.");
+                let name = |t: &str| format!("blk.{il}.{t}.weight");
                 Ok(LayerWeights {
-                    attn_norm: b.f32_vector(&format!("{p}attn_norm.weight"), n_embd)?,
-                    wq: b.matrix(&format!("{p}attn_q.weight"), n_embd, n_q)?,
-                    wk: b.matrix(&format!("{p}attn_k.weight"), n_embd, n_kv)?,
-                    wv: b.matrix(&format!("{p}attn_v.weight"), n_embd, n_kv)?,
-                    q_norm: b.f32_vector(&format!("{p}attn_q_norm.weight"), hd)?,
-                    k_norm: b.f32_vector(&format!("{p}attn_k_norm.weight"), hd)?,
-                    wo: b.matrix(&format!("{p}attn_output.weight"), n_q, n_embd)?,
-                    post_attn_norm: b
-                        .f32_vector(&format!("{p}post_attention_norm.weight"), n_embd)?,
-                    ffn_norm: b.f32_vector(&format!("{p}ffn_norm.weight"), n_embd)?,
-                    w_gate: b.matrix(&format!("{p}ffn_gate.weight"), n_embd, hp.n_ff)?,
-                    w_up: b.matrix(&format!("{p}ffn_up.weight"), n_embd, hp.n_ff)?,
-                    w_down: b.matrix(&format!("{p}ffn_down.weight"), hp.n_ff, n_embd)?,
-                    post_ffw_norm: b.f32_vector(&format!("{p}post_ffw_norm.weight"), n_embd)?,
+                    core: CoreLayer::bind(&mut b, hp, il)?,
+                    q_norm: b.f32_vector(&name("attn_q_norm"), hd)?,
+                    k_norm: b.f32_vector(&name("attn_k_norm"), hd)?,
+                    post_attn_norm: b.f32_vector(&name("post_attention_norm"), n_embd)?,
+                    post_ffw_norm: b.f32_vector(&name("post_ffw_norm"), n_embd)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         let f2 = b.finish(ENTRY.name)?;
         let model = Gemma3 {
-            tok_embd,
-            output_norm,
-            output,
+            head,
             layers,
             window,
             attn_scale,
@@ -197,118 +170,32 @@ impl Family for Gemma3 {
         scratch: &mut Scratch,
         seqs: &mut [SeqStep<'_>],
     ) {
-        forward(self, model, pool, precision, scratch.get::<Rows>(), seqs);
-    }
-}
-
-/// Runs every sequence's tokens after its state (see [`Family::forward`]).
-fn forward(
-    w: &Gemma3,
-    model: &Model,
-    pool: &ThreadPool,
-    precision: Precision,
-    s: &mut Rows,
-    seqs: &mut [SeqStep<'_>],
-) {
-    let hp = &model.hparams;
-    let (_, nt) = transformer::offsets(seqs);
-    let (n_embd, n_q, n_kv, hd) = (hp.n_embd, hp.n_embd_q(), hp.n_embd_kv(), hp.head_dim);
-    let x = &mut s.x[..nt * n_embd];
-    embed(&model.matrix(&w.tok_embd), seqs, n_embd, x);
-    let embd_scale = (n_embd as f32).sqrt();
-    pool.for_each_row_block_mut(x, n_embd, &|_, rows| {
-        rows.iter_mut().for_each(|v| *v *= embd_scale);
-    });
-    s.fill_angles(LOCAL, seqs, ROPE_BASE_SWA, hp.n_rot, |_| RopeScaling::NONE);
-    s.fill_angles(GLOBAL, seqs, hp.rope_base, hp.n_rot, |s| s.scaling);
-    let n_pairs = hp.n_rot / 2;
-    for (il, lw) in w.layers.iter().enumerate() {
-        let x = &mut s.x[..nt * n_embd];
-        let xn = &mut s.xn[..nt * n_embd];
-        rms_norm_rows(pool, x, &lw.attn_norm, hp.rms_eps, xn);
-        let (q, k, v) = (
-            &mut s.q[..nt * n_q],
-            &mut s.k[..nt * n_kv],
-            &mut s.v[..nt * n_kv],
-        );
-        project(
-            pool,
-            precision,
-            &mut s.acts,
-            xn,
-            &[
-                &model.matrix(&lw.wq),
-                &model.matrix(&lw.wk),
-                &model.matrix(&lw.wv),
-            ],
-            &mut [&mut *q, &mut *k, &mut *v],
-        );
-        let table = if Gemma3::is_local(il) { LOCAL } else { GLOBAL };
-        let angles = &s.angles[table][..nt * n_pairs];
-        for (rows, n, norm) in [(&mut *q, n_q, &lw.q_norm), (&mut *k, n_kv, &lw.k_norm)] {
-            rms_norm_rows_inplace(pool, rows, norm, hp.rms_eps);
-            pool.for_each_row_block_mut(rows, n, &|first, rows| {
-                for (t, row) in (first..).zip(rows.chunks_exact_mut(n)) {
-                    Rope::rotate_neox(row, hd, &angles[t * n_pairs..(t + 1) * n_pairs]);
-                }
-            });
-        }
-        let att = &mut s.att[..nt * n_q];
-        attend_layer(
-            pool,
-            seqs,
-            il,
-            (hp.n_head, hp.n_head_kv, hd),
-            w.attn_scale,
-            q,
-            (k, v),
-            att,
-        );
-        let attn_out = &mut s.attn_out[..nt * n_embd];
-        project(
-            pool,
-            precision,
-            &mut s.acts,
-            att,
-            &[&model.matrix(&lw.wo)],
-            &mut [&mut *attn_out],
-        );
-        rms_norm_rows_inplace(pool, attn_out, &lw.post_attn_norm, hp.rms_eps);
-        add_rows(pool, x, attn_out, n_embd);
-
-        rms_norm_rows(pool, x, &lw.ffn_norm, hp.rms_eps, xn);
-        let (gate, up) = (&mut s.gate[..nt * hp.n_ff], &mut s.up[..nt * hp.n_ff]);
-        project(
-            pool,
-            precision,
-            &mut s.acts,
-            xn,
-            &[&model.matrix(&lw.w_gate), &model.matrix(&lw.w_up)],
-            &mut [&mut *gate, &mut *up],
-        );
-        let up = &*up;
-        pool.for_each_row_block_mut(gate, hp.n_ff, &|first, rows| {
-            geglu(rows, &up[first * hp.n_ff..][..rows.len()]);
+        let hp = &model.hparams;
+        let r = scratch.get::<Rows>();
+        let p = Pass::new(model, pool, precision, seqs);
+        let nt = p.nt;
+        let n_embd = hp.n_embd;
+        let x = &mut r.x[..nt * n_embd];
+        embed(&p, &self.head, seqs, x);
+        let embd_scale = (n_embd as f32).sqrt();
+        pool.for_each_row_block_mut(x, n_embd, &|_, rows| {
+            rows.iter_mut().for_each(|v| *v *= embd_scale);
         });
-        let ffn_out = &mut s.ffn_out[..nt * n_embd];
-        project(
-            pool,
-            precision,
-            &mut s.acts,
-            gate,
-            &[&model.matrix(&lw.w_down)],
-            &mut [&mut *ffn_out],
-        );
-        rms_norm_rows_inplace(pool, ffn_out, &lw.post_ffw_norm, hp.rms_eps);
-        add_rows(pool, x, ffn_out, n_embd);
+        r.fill_angles(LOCAL, seqs, ROPE_BASE_SWA, hp.n_rot, |_| RopeScaling::NONE);
+        r.fill_angles(GLOBAL, seqs, hp.rope_base, hp.n_rot, |s| s.scaling);
+        for (il, lw) in self.layers.iter().enumerate() {
+            p.norm(r, &lw.core.attn_norm);
+            p.qkv(r, lw.core.qkv());
+            p.norm_heads(r, &lw.q_norm, &lw.k_norm);
+            let table = if Gemma3::is_local(il) { LOCAL } else { GLOBAL };
+            p.rope_qk(r, table, Rope::rotate_neox);
+            p.attention(r, seqs, il, self.attn_scale, &lw.core.wo);
+            p.residual(r, false, Some(&lw.post_attn_norm));
+            p.norm(r, &lw.core.ffn_norm);
+            p.ffn(r, lw.core.ffn(), geglu);
+            p.residual(r, true, Some(&lw.post_ffw_norm));
+        }
+        transformer::advance(seqs);
+        output_head(&p, r, seqs, &self.head);
     }
-    transformer::advance(seqs);
-    output_head(
-        pool,
-        precision,
-        s,
-        seqs,
-        (&w.output_norm, hp.rms_eps),
-        &model.matrix(&w.output),
-    );
 }

@@ -11,12 +11,15 @@
 //! a sequence's results do not depend on its batch.
 
 use ds4_kernels::attn::AsF32Rows;
-use ds4_kernels::matmul::WeightMatrix;
 use ds4_kernels::pool::ThreadPool;
 
 use super::{state_of, LogitsOut, SeqStep};
-use crate::model::HParams;
-use crate::ops::{attention, project, rms_norm, rms_norm_rows, Activations, Precision, Rope};
+use crate::error::Result;
+use crate::model::{Binder, HParams, Model, TensorRef};
+use crate::ops::{
+    add_rows, attention, project, rms_norm, rms_norm_rows, rms_norm_rows_inplace, Activations,
+    Precision, Rope,
+};
 use crate::rope::RopeScaling;
 use crate::state::{KvState, LayerRows, SeqState};
 
@@ -102,6 +105,73 @@ impl Rows {
     }
 }
 
+/// The token embedding and the output head: `token_embd.weight [n_embd,
+/// n_vocab]`, `output_norm.weight [n_embd]`, and `output.weight [n_embd,
+/// n_vocab]` or, when the file has none, the embedding tied to it.
+pub(crate) struct Head {
+    pub tok_embd: TensorRef,
+    pub output_norm: Vec<f32>,
+    pub output: TensorRef,
+}
+
+impl Head {
+    pub fn bind(b: &mut Binder<'_>, hp: &HParams) -> Result<Self> {
+        let tok_embd = b.matrix("token_embd.weight", hp.n_embd, hp.n_vocab)?;
+        let output = if b.has("output.weight") {
+            b.matrix("output.weight", hp.n_embd, hp.n_vocab)?
+        } else {
+            tok_embd
+        };
+        Ok(Head {
+            tok_embd,
+            output_norm: b.f32_vector("output_norm.weight", hp.n_embd)?,
+            output,
+        })
+    }
+}
+
+/// The tensors of layer `il` that every family here has (`blk.{il}.`):
+/// `attn_norm [n_embd]`, `attn_q [n_embd, n_head*hd]`, `attn_k`/`attn_v
+/// [n_embd, n_head_kv*hd]`, `attn_output [n_head*hd, n_embd]`, `ffn_norm
+/// [n_embd]`, `ffn_gate`/`ffn_up [n_embd, n_ff]`, `ffn_down [n_ff, n_embd]`.
+pub(crate) struct CoreLayer {
+    pub attn_norm: Vec<f32>,
+    pub wq: TensorRef,
+    pub wk: TensorRef,
+    pub wv: TensorRef,
+    pub wo: TensorRef,
+    pub ffn_norm: Vec<f32>,
+    pub w_gate: TensorRef,
+    pub w_up: TensorRef,
+    pub w_down: TensorRef,
+}
+
+impl CoreLayer {
+    pub fn bind(b: &mut Binder<'_>, hp: &HParams, il: usize) -> Result<Self> {
+        let (n_embd, n_q, n_kv, n_ff) = (hp.n_embd, hp.n_embd_q(), hp.n_embd_kv(), hp.n_ff);
+        let name = |t: &str| format!("blk.{il}.{t}.weight");
+        Ok(CoreLayer {
+            attn_norm: b.f32_vector(&name("attn_norm"), n_embd)?,
+            wq: b.matrix(&name("attn_q"), n_embd, n_q)?,
+            wk: b.matrix(&name("attn_k"), n_embd, n_kv)?,
+            wv: b.matrix(&name("attn_v"), n_embd, n_kv)?,
+            wo: b.matrix(&name("attn_output"), n_q, n_embd)?,
+            ffn_norm: b.f32_vector(&name("ffn_norm"), n_embd)?,
+            w_gate: b.matrix(&name("ffn_gate"), n_embd, n_ff)?,
+            w_up: b.matrix(&name("ffn_up"), n_embd, n_ff)?,
+            w_down: b.matrix(&name("ffn_down"), n_ff, n_embd)?,
+        })
+    }
+
+    pub fn qkv(&self) -> [&TensorRef; 3] {
+        [&self.wq, &self.wk, &self.wv]
+    }
+
+    pub fn ffn(&self) -> [&TensorRef; 3] {
+        [&self.w_gate, &self.w_up, &self.w_down]
+    }
+}
+
 /// Row offsets of each sequence and the total.
 pub(crate) fn offsets(seqs: &[SeqStep<'_>]) -> (Vec<usize>, usize) {
     let mut offs = Vec::with_capacity(seqs.len());
@@ -113,8 +183,182 @@ pub(crate) fn offsets(seqs: &[SeqStep<'_>]) -> (Vec<usize>, usize) {
     (offs, n)
 }
 
+/// How a family rotates a head by precomputed `(sin, cos)` pairs.
+pub(crate) type RotateFn = fn(&mut [f32], usize, &[(f32, f32)]);
+
+/// The steps of a decoder layer, over the `nt` rows of one forward call: what
+/// the families compose their layers from.
+pub(crate) struct Pass<'a> {
+    pub model: &'a Model,
+    pub pool: &'a ThreadPool,
+    pub precision: Precision,
+    /// Rows (tokens of every sequence) in this call.
+    pub nt: usize,
+}
+
+impl<'a> Pass<'a> {
+    /// A pass over every row of `seqs`.
+    pub fn new(
+        model: &'a Model,
+        pool: &'a ThreadPool,
+        precision: Precision,
+        seqs: &[SeqStep<'_>],
+    ) -> Self {
+        Pass {
+            model,
+            pool,
+            precision,
+            nt: offsets(seqs).1,
+        }
+    }
+
+    fn hp(&self) -> &HParams {
+        &self.model.hparams
+    }
+
+    /// `xn = rms_norm(x) * w`.
+    pub fn norm(&self, r: &mut Rows, w: &[f32]) {
+        let n = self.nt * self.hp().n_embd;
+        rms_norm_rows(self.pool, &r.x[..n], w, self.hp().rms_eps, &mut r.xn[..n]);
+    }
+
+    /// `q, k, v = xn · (wq, wk, wv)`, one dispatch.
+    pub fn qkv(&self, r: &mut Rows, [wq, wk, wv]: [&TensorRef; 3]) {
+        let (nt, hp) = (self.nt, self.hp());
+        let m = |t| self.model.matrix(t);
+        project(
+            self.pool,
+            self.precision,
+            &mut r.acts,
+            &r.xn[..nt * hp.n_embd],
+            &[&m(wq), &m(wk), &m(wv)],
+            &mut [
+                &mut r.q[..nt * hp.n_embd_q()],
+                &mut r.k[..nt * hp.n_embd_kv()],
+                &mut r.v[..nt * hp.n_embd_kv()],
+            ],
+        );
+    }
+
+    /// RMSNorm of every query and key head with its weight (QK-norm).
+    pub fn norm_heads(&self, r: &mut Rows, q_norm: &[f32], k_norm: &[f32]) {
+        let (nt, hp) = (self.nt, self.hp());
+        rms_norm_rows_inplace(
+            self.pool,
+            &mut r.q[..nt * hp.n_embd_q()],
+            q_norm,
+            hp.rms_eps,
+        );
+        rms_norm_rows_inplace(
+            self.pool,
+            &mut r.k[..nt * hp.n_embd_kv()],
+            k_norm,
+            hp.rms_eps,
+        );
+    }
+
+    /// Rotates every query and key head by angle table `table` (`rotate`:
+    /// [`Rope::rotate`] on adjacent pairs or [`Rope::rotate_neox`] on halves).
+    pub fn rope_qk(&self, r: &mut Rows, table: usize, rotate: RotateFn) {
+        let (nt, hp) = (self.nt, self.hp());
+        let (hd, n_pairs) = (hp.head_dim, hp.n_rot / 2);
+        let angles = &r.angles[table][..nt * n_pairs];
+        for (rows, n) in [
+            (&mut r.q[..nt * hp.n_embd_q()], hp.n_embd_q()),
+            (&mut r.k[..nt * hp.n_embd_kv()], hp.n_embd_kv()),
+        ] {
+            self.pool.for_each_row_block_mut(rows, n, &|first, rows| {
+                for (t, row) in (first..).zip(rows.chunks_exact_mut(n)) {
+                    rotate(row, hd, &angles[t * n_pairs..(t + 1) * n_pairs]);
+                }
+            });
+        }
+    }
+
+    /// Layer `il`'s attention for every sequence (K/V stored into its state,
+    /// queries scaled by `scale`), then `attn_out = att · wo`.
+    pub fn attention(
+        &self,
+        r: &mut Rows,
+        seqs: &mut [SeqStep<'_>],
+        il: usize,
+        scale: f32,
+        wo: &TensorRef,
+    ) {
+        let (nt, hp) = (self.nt, self.hp());
+        let (n_q, n_kv) = (hp.n_embd_q(), hp.n_embd_kv());
+        attend_layer(
+            self.pool,
+            seqs,
+            il,
+            (hp.n_head, hp.n_head_kv, hp.head_dim),
+            scale,
+            &r.q[..nt * n_q],
+            (&r.k[..nt * n_kv], &r.v[..nt * n_kv]),
+            &mut r.att[..nt * n_q],
+        );
+        project(
+            self.pool,
+            self.precision,
+            &mut r.acts,
+            &r.att[..nt * n_q],
+            &[&self.model.matrix(wo)],
+            &mut [&mut r.attn_out[..nt * hp.n_embd]],
+        );
+    }
+
+    /// `ffn_out = act(xn · gate, xn · up) · down` (`act` in place on the gate
+    /// rows: SwiGLU, GeGLU).
+    pub fn ffn(
+        &self,
+        r: &mut Rows,
+        [gate, up, down]: [&TensorRef; 3],
+        act: fn(&mut [f32], &[f32]),
+    ) {
+        let (nt, hp) = (self.nt, self.hp());
+        let m = |t| self.model.matrix(t);
+        let (g, u) = (&mut r.gate[..nt * hp.n_ff], &mut r.up[..nt * hp.n_ff]);
+        project(
+            self.pool,
+            self.precision,
+            &mut r.acts,
+            &r.xn[..nt * hp.n_embd],
+            &[&m(gate), &m(up)],
+            &mut [&mut *g, &mut *u],
+        );
+        let (u, n_ff) = (&*u, hp.n_ff);
+        self.pool.for_each_row_block_mut(g, n_ff, &|first, rows| {
+            act(rows, &u[first * n_ff..][..rows.len()]);
+        });
+        project(
+            self.pool,
+            self.precision,
+            &mut r.acts,
+            g,
+            &[&m(down)],
+            &mut [&mut r.ffn_out[..nt * hp.n_embd]],
+        );
+    }
+
+    /// `x += rms_norm(y) * post_norm` (or `x += y` without a post-norm), `y`
+    /// being the attention output or, with `ffn`, the feed-forward output.
+    pub fn residual(&self, r: &mut Rows, ffn: bool, post_norm: Option<&[f32]>) {
+        let n = self.nt * self.hp().n_embd;
+        let y = if ffn {
+            &mut r.ffn_out[..n]
+        } else {
+            &mut r.attn_out[..n]
+        };
+        if let Some(w) = post_norm {
+            rms_norm_rows_inplace(self.pool, y, w, self.hp().rms_eps);
+        }
+        add_rows(self.pool, &mut r.x[..n], y, self.hp().n_embd);
+    }
+}
+
 /// Writes the embedding rows of every sequence's tokens into `x`.
-pub(crate) fn embed(embd: &WeightMatrix<'_>, seqs: &[SeqStep<'_>], n_embd: usize, x: &mut [f32]) {
+pub(crate) fn embed(p: &Pass<'_>, head: &Head, seqs: &[SeqStep<'_>], x: &mut [f32]) {
+    let (embd, n_embd) = (p.model.matrix(&head.tok_embd), p.hp().n_embd);
     let ids = seqs.iter().flat_map(|s| s.tokens.iter());
     for (row, &id) in x.chunks_exact_mut(n_embd).zip(ids) {
         if let Err(e) = ds4_kernels::dequantize_row(embd.fmt, embd.row(id as usize), row) {
@@ -185,14 +429,10 @@ pub(crate) fn advance(seqs: &mut [SeqStep<'_>]) {
 /// The final norm and output projection of the rows each sequence asks logits
 /// for, written to each sequence's buffer.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn output_head(
-    pool: &ThreadPool,
-    precision: Precision,
-    r: &mut Rows,
-    seqs: &mut [SeqStep<'_>],
-    (norm, eps): (&[f32], f32),
-    output: &WeightMatrix<'_>,
-) {
+pub(crate) fn output_head(p: &Pass<'_>, r: &mut Rows, seqs: &mut [SeqStep<'_>], head: &Head) {
+    let (pool, precision) = (p.pool, p.precision);
+    let (norm, eps) = (&head.output_norm[..], p.hp().rms_eps);
+    let output = &p.model.matrix(&head.output);
     let n_embd = norm.len();
     let n_vocab = output.n_out;
     let (offs, _) = offsets(seqs);

@@ -203,6 +203,15 @@ impl Bpe {
         }
     }
 
+    /// How many bytes of `text` end up in a token: all but those whose byte has
+    /// no token (SmolLM2 has none for six control characters and the lead
+    /// bytes 0xF1 and 0xF2), which encoding drops.
+    pub(crate) fn kept_bytes(&self, text: &str) -> usize {
+        text.bytes()
+            .filter(|&b| self.byte_token[usize::from(b)] != NONE)
+            .count()
+    }
+
     /// Appends the tokens of a raw text fragment (no special tokens in it).
     pub(crate) fn encode(&self, text: &str, out: &mut Vec<u32>) {
         let mut work = MergeWork::default();

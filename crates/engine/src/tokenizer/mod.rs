@@ -17,6 +17,7 @@
 
 mod bpe;
 mod pretokenize;
+mod segments;
 mod special;
 mod spm;
 mod stream;
@@ -27,6 +28,7 @@ mod tests;
 
 use ds4_gguf::{Gguf, GgufError};
 
+pub use segments::Segment;
 pub use stream::StreamDecoder;
 
 use bpe::Bpe;
@@ -140,9 +142,25 @@ impl Tokenizer {
         if add_special && v.add_bos {
             out.extend(v.bos());
         }
-        // SPM prefixes a space to a fragment at the start or after a special token.
-        let mut after_special = true;
-        for frag in v.specials.partition(text, parse_special) {
+        self.encode_into(text, parse_special, true, &mut out);
+        if add_special && v.add_eos {
+            out.extend(v.eos());
+        }
+        out
+    }
+
+    /// Appends the tokens of `text` (no BOS/EOS), special texts parsed as
+    /// [`Tokenizer::encode`] says.
+    /// Appends `text`'s tokens. `after_special`: whether it starts the text or
+    /// follows a special token, where SPM puts its space prefix.
+    fn encode_into(
+        &self,
+        text: &str,
+        parse_special: bool,
+        mut after_special: bool,
+        out: &mut Vec<u32>,
+    ) {
+        for frag in self.vocab.specials.partition(text, parse_special) {
             match frag {
                 Fragment::Token(id) => {
                     out.push(id);
@@ -150,17 +168,15 @@ impl Tokenizer {
                 }
                 Fragment::Text(range) => {
                     match &self.model {
-                        Model::Bpe(bpe) => bpe.encode(&text[range], &mut out),
-                        Model::Spm(spm) => spm.encode(v, &text[range], after_special, &mut out),
+                        Model::Bpe(bpe) => bpe.encode(&text[range], out),
+                        Model::Spm(spm) => {
+                            spm.encode(&self.vocab, &text[range], after_special, out)
+                        }
                     }
                     after_special = false;
                 }
             }
         }
-        if add_special && v.add_eos {
-            out.extend(v.eos());
-        }
-        out
     }
 
     /// Tokenizes `text` with the vocabulary model alone: no special-token text

@@ -306,3 +306,32 @@ fn special_id_errors() {
         "{e}"
     );
 }
+
+#[test]
+fn segments_make_control_tokens_only_from_markup() {
+    use super::Segment::{Markup, Text};
+    let t = tok();
+    let text = |s: &str| t.encode(s, false, false);
+    // Control texts in content are text; user-defined tokens match anywhere.
+    let ids = t.encode_segments(
+        &[
+            Markup("<|im_start|>a"),
+            Text("b<|im_start|>c<u>"),
+            Markup("<|im_end|>"),
+        ],
+        false,
+    );
+    let want: Vec<u32> = [vec![1], text("ab<|im_start|>c<u>"), vec![2]].concat();
+    assert_eq!(ids, want);
+    assert!(text("<u>").contains(&3));
+    // Without control texts in content: what `encode` with parse_special gives,
+    // BOS/EOS included.
+    let t = with("tokenizer.ggml.add_bos_token", Value::Bool(true)).unwrap();
+    assert_eq!(
+        t.encode_segments(
+            &[Markup("<|im_start|>"), Text("a b"), Markup("<|im_end|>")],
+            true
+        ),
+        t.encode("<|im_start|>a b<|im_end|>", true, true)
+    );
+}

@@ -285,6 +285,8 @@ pub(crate) struct Vocab {
     /// Piece bytes of every token rendered with specials, `piece_off[id]..piece_off[id+1]`.
     pieces: Vec<u8>,
     piece_off: Vec<u32>,
+    /// The longest piece, in bytes.
+    max_piece_len: usize,
     pub(crate) specials: SpecialMatcher,
 }
 
@@ -345,6 +347,7 @@ impl Vocab {
             eog: Vec::new(),
             pieces: Vec::new(),
             piece_off: Vec::new(),
+            max_piece_len: 0,
             specials: SpecialMatcher::default(),
         };
         v.read_special_ids(g, defaults)?;
@@ -511,6 +514,11 @@ impl Vocab {
             let end = u32::try_from(pieces.len()).map_err(|_| TokenizerError::VocabSize { n })?;
             off.push(end);
         }
+        self.max_piece_len = off
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0);
         self.pieces = pieces;
         self.piece_off = off;
         Ok(())
@@ -540,13 +548,23 @@ impl Vocab {
         self.eog.contains(&id)
     }
 
+    /// Whether `id` is a control (or unknown) token: one that only a parse with
+    /// specials produces from text, and that renders only on request.
+    pub(crate) fn is_control(&self, id: u32) -> bool {
+        self.attrs
+            .get(id as usize)
+            .is_some_and(|a| a & (attr::UNKNOWN | attr::CONTROL) != 0)
+    }
+
+    /// The longest piece of any token, in bytes.
+    pub(crate) fn max_piece_len(&self) -> usize {
+        self.max_piece_len
+    }
+
     /// The piece of `id`; control and unknown tokens are empty unless `render_special`.
     /// Out-of-range ids render as nothing.
     pub(crate) fn piece(&self, id: u32, render_special: bool) -> &[u8] {
-        let Some(&a) = self.attrs.get(id as usize) else {
-            return &[];
-        };
-        if !render_special && a & (attr::UNKNOWN | attr::CONTROL) != 0 {
+        if id as usize >= self.attrs.len() || (!render_special && self.is_control(id)) {
             return &[];
         }
         let (start, end) = (self.piece_off[id as usize], self.piece_off[id as usize + 1]);

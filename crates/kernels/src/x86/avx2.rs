@@ -59,8 +59,8 @@ pub(super) static KERNELS: Kernels = Kernels {
     gemm_q4_1_q8_0_f2,
     gemm_tile,
     exp_inplace,
-    attn_group_f32: attn_group_checked::<f32>,
-    attn_group_f16: attn_group_checked::<u16>,
+    attn_group_f32: attn_group::<f32, Avx2Attn>,
+    attn_group_f16: attn_group::<u16, Avx2Attn>,
     widen_f16,
     quantize_act16,
     gemm_q4_1_act16: gemm_act16::<BlockQ4_1>,
@@ -81,19 +81,19 @@ pub(super) static KERNELS: Kernels = Kernels {
     dots8_serial,
 };
 
-fn vec_dot_q2_k_q8_k(x: &[crate::q2_k::BlockQ2_K], y: &[BlockQ8_K]) -> f32 {
+pub(super) fn vec_dot_q2_k_q8_k(x: &[crate::q2_k::BlockQ2_K], y: &[BlockQ8_K]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_q2_K_q8_K block counts");
     // SAFETY: see above.
     unsafe { kquants::dot_q2_k_q8_k(x, y) }
 }
 
-fn vec_dot_iq2_xxs_q8_k(x: &[crate::iq2_xxs::BlockIQ2_XXS], y: &[BlockQ8_K]) -> f32 {
+pub(super) fn vec_dot_iq2_xxs_q8_k(x: &[crate::iq2_xxs::BlockIQ2_XXS], y: &[BlockQ8_K]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_iq2_xxs_q8_K block counts");
     // SAFETY: see above.
     unsafe { kquants::dot_iq2_xxs_q8_k(x, y) }
 }
 
-fn dot_iq2_decoded_q8_k(x: &crate::iq2_xxs::Iq2Decoded, y: &[BlockQ8_K]) -> f32 {
+pub(super) fn dot_iq2_decoded_q8_k(x: &crate::iq2_xxs::Iq2Decoded, y: &[BlockQ8_K]) -> f32 {
     assert!(
         x.d.len() == y.len() && x.w.len() == y.len() * crate::QK_K && x.ls.len() == 8 * y.len(),
         "dot_decoded_q8_K lengths"
@@ -102,7 +102,7 @@ fn dot_iq2_decoded_q8_k(x: &crate::iq2_xxs::Iq2Decoded, y: &[BlockQ8_K]) -> f32 
     unsafe { kquants::dot_iq2_decoded_q8_k(x, y) }
 }
 
-fn dot_q8_0x8_f32s(
+pub(super) fn dot_q8_0x8_f32s(
     group: &[u8],
     qs: &[&[i8]],
     d: &[&[f32]],
@@ -124,7 +124,11 @@ fn dot_q8_0x8_f32s(
     unsafe { serial::dot_q8_0x8_f32s(group, qs, d, out) }
 }
 
-fn dots_f16x8_serial(w: &[&[u16]], x: &[&[f32]], out: &mut [[f32; crate::serial::LANES]]) {
+pub(super) fn dots_f16x8_serial(
+    w: &[&[u16]],
+    x: &[&[f32]],
+    out: &mut [[f32; crate::serial::LANES]],
+) {
     assert!(
         x.len() <= 4
             && w.len() == x.len()
@@ -136,7 +140,7 @@ fn dots_f16x8_serial(w: &[&[u16]], x: &[&[f32]], out: &mut [[f32; crate::serial:
     unsafe { serial::dots_f16x8_serial(w, x, out) }
 }
 
-fn dots8_serial(a: &[f32], b: &[&[f32]], out: &mut [[f32; crate::serial::LANES]]) {
+pub(super) fn dots8_serial(a: &[f32], b: &[&[f32]], out: &mut [[f32; crate::serial::LANES]]) {
     assert!(
         b.len() <= 4
             && out.len() == b.len()
@@ -150,46 +154,49 @@ fn dots8_serial(a: &[f32], b: &[&[f32]], out: &mut [[f32; crate::serial::LANES]]
 // Table entries: the length checks the scalar references make, then the call.
 // SAFETY (every `unsafe` call below): `KERNELS` is only reachable through
 // `super::avx2()`, which returns it after detecting AVX2, FMA and F16C, the
-// features the callee is compiled for. Memory safety inside the callees does
-// not depend on these length checks beyond what slices already guarantee.
+// features the callee is compiled for; the entries the AVX-512 tier shares
+// (`pub(super)`) are reachable through its table too, which `super::avx512()`
+// hands out only where `super::avx2()` succeeds. Memory safety inside the
+// callees does not depend on these length checks beyond what slices already
+// guarantee.
 
-fn vec_dot_q4_k_q8_k(x: &[BlockQ4_K], y: &[BlockQ8_K]) -> f32 {
+pub(super) fn vec_dot_q4_k_q8_k(x: &[BlockQ4_K], y: &[BlockQ8_K]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_q4_K_q8_K block counts");
     // SAFETY: see above.
     unsafe { kquants::dot_q4_k_q8_k(x, y) }
 }
 
-fn vec_dot_q6_k_q8_k(x: &[BlockQ6_K], y: &[BlockQ8_K]) -> f32 {
+pub(super) fn vec_dot_q6_k_q8_k(x: &[BlockQ6_K], y: &[BlockQ8_K]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_q6_K_q8_K block counts");
     // SAFETY: see above.
     unsafe { kquants::dot_q6_k_q8_k(x, y) }
 }
 
-fn dequantize_row_q4_0(x: &[BlockQ4_0], y: &mut [f32]) {
+pub(super) fn dequantize_row_q4_0(x: &[BlockQ4_0], y: &mut [f32]) {
     assert_eq!(y.len(), x.len() * QK8_0, "q4_0 dequantize_row lengths");
     // SAFETY: see above.
     unsafe { dequant_q4_0(x, y) }
 }
 
-fn dequantize_row_q5_0(x: &[BlockQ5_0], y: &mut [f32]) {
+pub(super) fn dequantize_row_q5_0(x: &[BlockQ5_0], y: &mut [f32]) {
     assert_eq!(y.len(), x.len() * QK8_0, "q5_0 dequantize_row lengths");
     // SAFETY: see above.
     unsafe { dequant_q5_0(x, y) }
 }
 
-fn dequantize_row_f16(row: &[u8], y: &mut [f32]) {
+pub(super) fn dequantize_row_f16(row: &[u8], y: &mut [f32]) {
     assert_eq!(row.len(), 2 * y.len(), "f16 row bytes vs output length");
     // SAFETY: see above.
     unsafe { dequant_f16(row, y) }
 }
 
-fn dequantize_row_bf16(row: &[u8], y: &mut [f32]) {
+pub(super) fn dequantize_row_bf16(row: &[u8], y: &mut [f32]) {
     assert_eq!(row.len(), 2 * y.len(), "bf16 row bytes vs output length");
     // SAFETY: see above.
     unsafe { dequant_bf16(row, y) }
 }
 
-fn dequantize_row_q4_k(x: &[BlockQ4_K], y: &mut [f32]) {
+pub(super) fn dequantize_row_q4_k(x: &[BlockQ4_K], y: &mut [f32]) {
     assert_eq!(
         y.len(),
         x.len() * crate::QK_K,
@@ -199,7 +206,7 @@ fn dequantize_row_q4_k(x: &[BlockQ4_K], y: &mut [f32]) {
     unsafe { kquants::dequant_q4_k(x, y) }
 }
 
-fn dequantize_row_q6_k(x: &[BlockQ6_K], y: &mut [f32]) {
+pub(super) fn dequantize_row_q6_k(x: &[BlockQ6_K], y: &mut [f32]) {
     assert_eq!(
         y.len(),
         x.len() * crate::QK_K,
@@ -209,61 +216,61 @@ fn dequantize_row_q6_k(x: &[BlockQ6_K], y: &mut [f32]) {
     unsafe { kquants::dequant_q6_k(x, y) }
 }
 
-fn vec_dot_q4_0_q8_0(x: &[BlockQ4_0], y: &[BlockQ8_0]) -> f32 {
+pub(super) fn vec_dot_q4_0_q8_0(x: &[BlockQ4_0], y: &[BlockQ8_0]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_q4_0_q8_0 block counts");
     // SAFETY: see above.
     unsafe { dot_q4_0_q8_0(x, y) }
 }
 
-fn vec_dot_q4_1_q8_0(x: &[BlockQ4_1], y: &[BlockQ8_0]) -> f32 {
+pub(super) fn vec_dot_q4_1_q8_0(x: &[BlockQ4_1], y: &[BlockQ8_0]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_q4_1_q8_0 block counts");
     // SAFETY: see above.
     unsafe { dot_q4_1_q8_0(x, y) }
 }
 
-fn vec_dot_q5_0_q8_0(x: &[BlockQ5_0], y: &[BlockQ8_0]) -> f32 {
+pub(super) fn vec_dot_q5_0_q8_0(x: &[BlockQ5_0], y: &[BlockQ8_0]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_q5_0_q8_0 block counts");
     // SAFETY: see above.
     unsafe { dot_q5_0_q8_0(x, y) }
 }
 
-fn vec_dot_q8_0_q8_0(x: &[BlockQ8_0], y: &[BlockQ8_0]) -> f32 {
+pub(super) fn vec_dot_q8_0_q8_0(x: &[BlockQ8_0], y: &[BlockQ8_0]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_q8_0_q8_0 block counts");
     // SAFETY: see above.
     unsafe { dot_q8_0_q8_0(x, y) }
 }
 
-fn vec_dot_f32(x: &[f32], y: &[f32]) -> f32 {
+pub(super) fn vec_dot_f32(x: &[f32], y: &[f32]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_f32 lengths");
     // SAFETY: see above.
     unsafe { dot_f32(x, y) }
 }
 
-fn vec_dot_f32_fused(x: &[f32], y: &[f32]) -> f32 {
+pub(super) fn vec_dot_f32_fused(x: &[f32], y: &[f32]) -> f32 {
     assert_eq!(x.len(), y.len(), "vec_dot_f32_fused lengths");
     // SAFETY: see above.
     unsafe { dot_f32_fused(x, y) }
 }
 
-fn dequantize_row_q4_1(x: &[BlockQ4_1], y: &mut [f32]) {
+pub(super) fn dequantize_row_q4_1(x: &[BlockQ4_1], y: &mut [f32]) {
     assert_eq!(y.len(), x.len() * QK4_1, "q4_1 dequantize_row lengths");
     // SAFETY: see above.
     unsafe { dequant_q4_1(x, y) }
 }
 
-fn dequantize_row_q8_0(x: &[BlockQ8_0], y: &mut [f32]) {
+pub(super) fn dequantize_row_q8_0(x: &[BlockQ8_0], y: &mut [f32]) {
     assert_eq!(y.len(), x.len() * QK8_0, "q8_0 dequantize_row lengths");
     // SAFETY: see above.
     unsafe { dequant_q8_0(x, y) }
 }
 
-fn quantize_row_q8_0(x: &[f32], y: &mut [BlockQ8_0]) {
+pub(super) fn quantize_row_q8_0(x: &[f32], y: &mut [BlockQ8_0]) {
     assert_eq!(x.len(), y.len() * QK8_0, "q8_0 quantize_row_ref lengths");
     // SAFETY: see above.
     unsafe { quant_q8_0(x, y) }
 }
 
-fn quantize_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
+pub(super) fn quantize_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
     crate::act16::check_quantize(x.len(), q.len(), scale.len(), sum.len());
     // SAFETY: see above.
     unsafe { quant_act16(x, q, scale, sum) }
@@ -277,13 +284,13 @@ fn gemm_act16<B: Block16>(w: F2Rows<'_, B>, acts: &crate::act16::Act16, out: &mu
     unsafe { gem16(w, acts, out) }
 }
 
-fn dot_fma1(w: &[f32], x: &[f32]) -> f32 {
+pub(super) fn dot_fma1(w: &[f32], x: &[f32]) -> f32 {
     assert_eq!(w.len(), x.len(), "dot_fma1 lengths");
     // SAFETY: see above.
     unsafe { fma1(w, x) }
 }
 
-fn matvec_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], out: &mut [f32]) {
+pub(super) fn matvec_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], out: &mut [f32]) {
     let nb = crate::q8_matvec::check_rows(w.len(), y.len(), out.len());
     if nb == 0 {
         return crate::q8_matvec::matvec_q4_1_q8_0_ref(w, y, out);
@@ -292,7 +299,7 @@ fn matvec_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], out: &mut [f32]) {
     unsafe { gemq_q4_1(Q4_1Blocks { w, nb }, nb, y, out) }
 }
 
-fn gemm_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], nb: usize, out: &mut [f32]) {
+pub(super) fn gemm_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], nb: usize, out: &mut [f32]) {
     crate::q8_matvec::check_gemm(w.len(), y.len(), nb, out.len());
     if nb == 0 {
         return crate::q8_matvec::gemm_q4_1_q8_0_ref(w, y, nb, out);
@@ -302,13 +309,13 @@ fn gemm_q4_1_q8_0(w: &[BlockQ4_1], y: &[BlockQ8_0], nb: usize, out: &mut [f32]) 
 }
 
 /// [`gemm_q4_1_q8_0`] on packed rows.
-fn gemm_q4_1_q8_0_f2(w: F2Rows<'_, BlockQ4_1>, y: &[BlockQ8_0], out: &mut [f32]) {
+pub(super) fn gemm_q4_1_q8_0_f2(w: F2Rows<'_, BlockQ4_1>, y: &[BlockQ8_0], out: &mut [f32]) {
     let nb = crate::q8_matvec::check_gemm_f2(&w, y, out.len());
     // SAFETY: see above; the shapes were checked, as `gemq_q4_1` requires.
     unsafe { gemq_q4_1(w, nb, y, out) }
 }
 
-fn matvec_q8_0_q8_0(w: &[BlockQ8_0], y: &[BlockQ8_0], out: &mut [f32]) {
+pub(super) fn matvec_q8_0_q8_0(w: &[BlockQ8_0], y: &[BlockQ8_0], out: &mut [f32]) {
     let nb = crate::q8_matvec::check_rows(w.len(), y.len(), out.len());
     if nb == 0 {
         return crate::q8_matvec::matvec_q8_0_q8_0_ref(w, y, out);
@@ -317,44 +324,54 @@ fn matvec_q8_0_q8_0(w: &[BlockQ8_0], y: &[BlockQ8_0], out: &mut [f32]) {
     unsafe { mvq_q8_0(w, nb, y, out) }
 }
 
-fn gemm_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
+pub(super) fn gemm_tile(w: &[f32], x: &[f32], k: usize, out: &mut [f32]) {
     let (rows, toks) = crate::fast::check_tile(w.len(), x.len(), k, out.len());
     if !k.is_multiple_of(8) {
         return crate::fast::gemm_tile_ref(w, x, k, out);
     }
-    macro_rules! dispatch {
-        ($(($r:literal, $t:literal)),*) => {
-            match (rows, toks) {
-                // SAFETY: see above; `check_tile` and the `k % 8` test establish
-                // the shapes `tile` requires.
-                $(($r, $t) => unsafe { tile::<$r, $t>(w, x, k, out) },)*
-                _ => unreachable!("check_tile bounds the tile"),
-            }
-        };
-    }
-    dispatch!(
-        (1, 1),
-        (1, 2),
-        (1, 3),
-        (2, 1),
-        (2, 2),
-        (2, 3),
-        (3, 1),
-        (3, 2),
-        (3, 3),
-        (4, 1),
-        (4, 2),
-        (4, 3)
-    );
+    // SAFETY: see above; `check_tile` and the `k % 8` test establish the
+    // shapes `tile` requires.
+    unsafe { super::dispatch_tile!(tile, rows, toks, (w, x, k, out)) }
 }
 
-fn exp_inplace(x: &mut [f32]) {
+pub(super) fn exp_inplace(x: &mut [f32]) {
     // SAFETY: see above.
     unsafe { exp_slice(x) }
 }
 
+/// A tier's grouped attention step for one chunk of at most `MAX_QUERIES`
+/// queries of a KV head's group, which share every K and V load: the chunk's
+/// scores, each query's softmax step, then the V rows accumulated into the
+/// chunk's outputs ([`attn_group`] walks a group's chunks).
+pub(super) trait AttnChunk<T> {
+    /// Queries per chunk.
+    const MAX_QUERIES: usize;
+    /// [`crate::attn::attn_group_ref`] for the `st.len()` (at most
+    /// `MAX_QUERIES`) queries `q` over `n` rows of `hd` elements (`n_hd`),
+    /// with outputs `acc` and score slots `s`.
+    ///
+    /// # Safety
+    /// `hd % 8 == 0`, `hd > 0`, `n > 0`, `k.len() == v.len() == n·hd`,
+    /// `q.len() == acc.len() == st.len()·hd`, `s.len() == st.len()·n`, and the
+    /// CPU has the tier's features.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn chunk<const STREAM: bool>(
+        q: &[f32],
+        k: &[T],
+        v: &[T],
+        n_hd: (usize, usize),
+        scale: f32,
+        st: &mut [Running],
+        acc: &mut [f32],
+        s: &mut [f32],
+    );
+}
+
+/// [`crate::attn::attn_group_ref`] by the tier of `K`: the table entry of the
+/// AVX2 and AVX-512 tiers (head sizes that are not a multiple of 8 go to the
+/// reference). The group is taken in chunks of `K::MAX_QUERIES` queries.
 #[allow(clippy::too_many_arguments)]
-fn attn_group_checked<T: KvLanes>(
+pub(super) fn attn_group<T: crate::attn::KvElem, K: AttnChunk<T>>(
     q: &[f32],
     k: &[T],
     v: &[T],
@@ -368,18 +385,26 @@ fn attn_group_checked<T: KvLanes>(
     if !hd.is_multiple_of(8) {
         return crate::attn::attn_group_ref(q, k, v, scale, st, acc, scores, stream);
     }
-    // SAFETY: see above; `check_group` and the `hd % 8` test establish the shapes
-    // `attn_group` requires.
-    unsafe {
-        if stream {
-            attn_group::<T, true>(q, k, v, n, hd, scale, st, acc, scores)
-        } else {
-            attn_group::<T, false>(q, k, v, n, hd, scale, st, acc, scores)
+    let mut g0 = 0;
+    while g0 < st.len() {
+        let g1 = (g0 + K::MAX_QUERIES).min(st.len());
+        let (q, st) = (&q[g0 * hd..g1 * hd], &mut st[g0..g1]);
+        let (acc, s) = (&mut acc[g0 * hd..g1 * hd], &mut scores[g0 * n..g1 * n]);
+        // SAFETY: `K`'s table is handed out only after detecting its tier's
+        // features; `check_group` and the `hd % 8` test establish the shapes,
+        // restricted to the chunk's queries.
+        unsafe {
+            if stream {
+                K::chunk::<true>(q, k, v, (n, hd), scale, st, acc, s)
+            } else {
+                K::chunk::<false>(q, k, v, (n, hd), scale, st, acc, s)
+            }
         }
+        g0 = g1;
     }
 }
 
-fn widen_f16(src: &[u16], dst: &mut [f32]) {
+pub(super) fn widen_f16(src: &[u16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "widen_f16 lengths");
     // SAFETY: see above.
     unsafe { widen_f16_x8(src, dst) }
@@ -412,7 +437,7 @@ fn load_i8x8(b: &[i8; 32], k: usize) -> __m128i {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn load_f32x8(x: &[f32]) -> __m256 {
+pub(super) fn load_f32x8(x: &[f32]) -> __m256 {
     let x: &[f32; 8] = x[..8].try_into().unwrap();
     // SAFETY: `x` is 8 readable f32s; `loadu` has no alignment requirement.
     unsafe { _mm256_loadu_ps(x.as_ptr()) }
@@ -420,7 +445,7 @@ fn load_f32x8(x: &[f32]) -> __m256 {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn store_f32x8(out: &mut [f32], v: __m256) {
+pub(super) fn store_f32x8(out: &mut [f32], v: __m256) {
     let out: &mut [f32; 8] = (&mut out[..8]).try_into().unwrap();
     // SAFETY: `out` is 8 writable f32s; `storeu` has no alignment requirement.
     unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) }
@@ -789,16 +814,27 @@ fn has_min_quant(y: &[BlockQ8_0]) -> bool {
         .any(|b| _mm256_movemask_epi8(_mm256_cmpeq_epi8(load_i8x32(&b.qs), min)) != 0)
 }
 
-/// The activation side of Q4_1 x Q8_0 products, prepared once for every row that
-/// meets it: per eight blocks the terms `dy` and `s = sum8·dy` (as
-/// [`dot_q4_1_q8_0`] forms them), and the quants rearranged by block pairs, pair
-/// `p` as `[y_2p[0..16] | y_2p+1[0..16]]` and `[y_2p[16..32] | y_2p+1[16..32]]`
-/// (zeros past the last block), so that one 256-bit load of two blocks' nibbles
-/// meets both blocks' activations in two `maddubs`.
+/// The activation side of Q4_1 x Q8_0 products for eight blocks, prepared once
+/// for every row that meets it: the terms `dy` and `s = sum8·dy` (as
+/// [`dot_q4_1_q8_0`] forms them), and the blocks' quants by halves, `lo` the
+/// eight blocks' first 16 quants and `hi` their last 16, block after block
+/// (zeros past the last block): a pair of blocks' nibbles (one 256-bit load)
+/// meets `lo[p]` and `hi[p]`, four blocks' (one 512-bit load) `lo[2k..2k + 2]`
+/// and `hi[2k..2k + 2]`.
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub(super) struct Q8Acts {
+    pub(super) dy: __m256,
+    pub(super) s: __m256,
+    pub(super) lo: [__m256i; 4],
+    pub(super) hi: [__m256i; 4],
+}
+
+/// Prepares `y` for [`Q4_1Terms`], eight blocks per [`Q8Acts`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn prepare_q8_acts(y: &[BlockQ8_0], terms: &mut [[__m256; 2]], pairs: &mut [[__m256i; 2]]) {
-    for (yc, t) in y.chunks(8).zip(terms.iter_mut()) {
+fn prepare_q8_acts(y: &[BlockQ8_0], out: &mut [Q8Acts]) {
+    for (yc, a) in y.chunks(8).zip(out.iter_mut()) {
         let mut p8 = [_mm256_setzero_si256(); 8];
         for (p, by) in p8.iter_mut().zip(yc) {
             *p = sum_pairs_i16(_mm256_maddubs_epi16(
@@ -806,18 +842,17 @@ fn prepare_q8_acts(y: &[BlockQ8_0], terms: &mut [[__m256; 2]], pairs: &mut [[__m
                 load_i8x32(&by.qs),
             ));
         }
-        let dy = f16_lo(gather_head(yc));
-        *t = [dy, _mm256_mul_ps(_mm256_cvtepi32_ps(hsum_8x8(&p8)), dy)];
-    }
-    for (yp, pair) in y.chunks(2).zip(pairs.iter_mut()) {
-        let a = load_i8x32(&yp[0].qs);
-        let b = yp
-            .get(1)
-            .map_or(_mm256_setzero_si256(), |b| load_i8x32(&b.qs));
-        *pair = [
-            _mm256_permute2x128_si256::<0x20>(a, b),
-            _mm256_permute2x128_si256::<0x31>(a, b),
-        ];
+        a.dy = f16_lo(gather_head(yc));
+        a.s = _mm256_mul_ps(_mm256_cvtepi32_ps(hsum_8x8(&p8)), a.dy);
+        (a.lo, a.hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
+        for (p, yp) in yc.chunks(2).enumerate() {
+            let x = load_i8x32(&yp[0].qs);
+            let z = yp
+                .get(1)
+                .map_or(_mm256_setzero_si256(), |b| load_i8x32(&b.qs));
+            a.lo[p] = _mm256_permute2x128_si256::<0x20>(x, z);
+            a.hi[p] = _mm256_permute2x128_si256::<0x31>(x, z);
+        }
     }
 }
 
@@ -825,7 +860,7 @@ fn prepare_q8_acts(y: &[BlockQ8_0], terms: &mut [[__m256; 2]], pairs: &mut [[__m
 /// high nibbles of each block pair as bytes (one 256-bit load per pair), and the
 /// blocks' `d` and `m`.
 #[derive(Clone, Copy)]
-struct Q4_1Chunk {
+pub(super) struct Q4_1Chunk {
     nibbles: [[__m256i; 2]; 4],
     d: __m256,
     m: __m256,
@@ -833,7 +868,7 @@ struct Q4_1Chunk {
 
 /// Rows of Q4_1 blocks as the Q8-activation kernels read them: the GGUF blocks
 /// or the packed [`crate::act16::F2Matrix`] layout, with the same values.
-trait Q4_1Source: Copy {
+pub(super) trait Q4_1Source: Copy {
     /// Rows held.
     fn n_rows(&self) -> usize;
     /// Blocks `8c..8c + len` of row `r`, unpacked.
@@ -925,21 +960,58 @@ fn split_nibbles(q: __m256i) -> [__m256i; 2] {
     ]
 }
 
-/// The float terms `(dx·dy)·sumi + m·s` of the `2·n_pairs` (at most eight)
-/// blocks of `x`, as [`dot_q4_1_q8_0`] forms them, against activations prepared
-/// by [`prepare_q8_acts`] (`t` = that chunk's `[dy, s]`, `yp` its pairs). Each
-/// pair's nibbles meet the pair's two activation vectors in two `maddubs` (never
-/// saturating: |pair| <= 2·15·128, and the two add up within i16), widened to i32
-/// in two halves of four lanes, one half per block; three horizontal adds and a
-/// permutation put the eight block sums in block order.
+/// How a tier forms the float terms `(dx·dy)·sumi + m·s` of up to eight blocks
+/// of one Q4_1 row (from a source `S`) against activations prepared by
+/// [`prepare_q8_acts`], as [`dot_q4_1_q8_0`] forms them (each block's integer
+/// sum exact): [`gemq_q4_1_with`] runs any tier's with the same loops.
+pub(super) trait Q4_1Terms<S> {
+    /// Blocks `8c..8c + len` of one row, unpacked once for every token.
+    type Chunk: Copy;
+    /// Row `r`'s blocks `8c..8c + len` of `w`.
+    ///
+    /// # Safety
+    /// The CPU has the tier's features.
+    unsafe fn unpack(w: &S, r: usize, c: usize, len: usize) -> Self::Chunk;
+    /// The chunk's `len` terms, against the token's activations `y` (lanes past
+    /// `len` unspecified).
+    ///
+    /// # Safety
+    /// As [`Self::unpack`].
+    unsafe fn terms(x: &Self::Chunk, len: usize, y: &Q8Acts) -> __m256;
+}
+
+/// The AVX2 terms, from either source: each pair of blocks' nibbles meets the
+/// pair's two activation vectors in two `maddubs` (never saturating: |pair| <=
+/// 2·15·128, and the two add up within i16), widened to i32 in two halves of
+/// four lanes, one half per block; three horizontal adds and a permutation put
+/// the eight block sums in block order.
+struct Avx2Terms;
+
+impl<S: Q4_1Source> Q4_1Terms<S> for Avx2Terms {
+    type Chunk = Q4_1Chunk;
+
+    #[inline(always)]
+    unsafe fn unpack(w: &S, r: usize, c: usize, len: usize) -> Q4_1Chunk {
+        // SAFETY: the caller guarantees the AVX2 tier's features.
+        unsafe { w.chunk(r, c, len) }
+    }
+
+    #[inline(always)]
+    unsafe fn terms(x: &Q4_1Chunk, len: usize, y: &Q8Acts) -> __m256 {
+        // SAFETY: as above.
+        unsafe { q4_1_pair_terms(x, len.div_ceil(2), y) }
+    }
+}
+
+/// [`Avx2Terms::terms`]: the `2·n_pairs` (at most eight) blocks of `x`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q4_1_pair_terms(x: &Q4_1Chunk, n_pairs: usize, yp: &[[__m256i; 2]], t: [__m256; 2]) -> __m256 {
+fn q4_1_pair_terms(x: &Q4_1Chunk, n_pairs: usize, y: &Q8Acts) -> __m256 {
     let mut v = [_mm256_setzero_si256(); 4];
-    for ((v, n), yp) in v.iter_mut().zip(&x.nibbles).zip(yp).take(n_pairs) {
+    for (p, (v, n)) in v.iter_mut().zip(&x.nibbles).enumerate().take(n_pairs) {
         let sum16 = _mm256_add_epi16(
-            _mm256_maddubs_epi16(n[0], yp[0]),
-            _mm256_maddubs_epi16(n[1], yp[1]),
+            _mm256_maddubs_epi16(n[0], y.lo[p]),
+            _mm256_maddubs_epi16(n[1], y.hi[p]),
         );
         *v = sum_pairs_i16(sum16);
     }
@@ -949,105 +1021,132 @@ fn q4_1_pair_terms(x: &Q4_1Chunk, n_pairs: usize, yp: &[[__m256i; 2]], t: [__m25
         h,
         _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
     ));
-    let [dy, s] = t;
+    q4_1_terms(x.d, x.m, sumi, y)
+}
+
+/// `(dx·dy)·sumi + m·s` for eight blocks, as [`dot_q4_1_q8_0`] forms them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q4_1_terms(d: __m256, m: __m256, sumi: __m256, y: &Q8Acts) -> __m256 {
     _mm256_add_ps(
-        _mm256_mul_ps(_mm256_mul_ps(x.d, dy), sumi),
-        _mm256_mul_ps(x.m, s),
+        _mm256_mul_ps(_mm256_mul_ps(d, y.dy), sumi),
+        _mm256_mul_ps(m, y.s),
     )
 }
 
-/// Per-thread scratch of [`gemq_q4_1`]: every token's prepared activations and
-/// running sums.
+/// Per-thread scratch of [`gemq_q4_1_with`]: every token's prepared activations
+/// and running sums.
 #[derive(Default)]
-struct GemqScratch {
-    terms: Vec<[__m256; 2]>,
-    pairs: Vec<[__m256i; 2]>,
+pub(super) struct GemqScratch {
+    acts: Vec<Q8Acts>,
     sums: Vec<__m128>,
 }
 
 thread_local! {
-    static GEMQ_SCRATCH: std::cell::RefCell<GemqScratch> =
+    pub(super) static GEMQ_SCRATCH: std::cell::RefCell<GemqScratch> =
         std::cell::RefCell::new(GemqScratch::default());
+}
+
+/// [`gemq_q4_1_with`] on this tier.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn gemq_q4_1<S: Q4_1Source>(w: S, nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
+    // SAFETY: AVX2, FMA and F16C are enabled here (and in the closure, which
+    // inherits them); the callers checked the shapes.
+    GEMQ_SCRATCH.with_borrow_mut(|sc| unsafe { gemq_q4_1_with::<S, Avx2Terms>(w, nb, y, out, sc) })
 }
 
 /// [`crate::q8_matvec::gemm_q4_1_q8_0_ref`] (and with one token
 /// [`crate::q8_matvec::matvec_q4_1_q8_0_ref`]): the rows of `w` (`nb` blocks each)
 /// against every token of `y`, each value with the arithmetic of
 /// [`dot_q4_1_q8_0`] (exact integer block sums, float terms eight blocks wide,
-/// the serial sum in block order). Every token's activations are prepared once
-/// ([`prepare_q8_acts`]); then, four rows and eight blocks at a time, the rows'
-/// nibbles and scales are unpacked once and met by every token, each token's four
-/// serial sums carried in the lanes of one register (a last group of fewer rows
-/// adds zeros in the missing lanes). One token (decode) prefetches the rows two
-/// groups ahead.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn gemq_q4_1<S: Q4_1Source>(w: S, nb: usize, y: &[BlockQ8_0], out: &mut [f32]) {
+/// the serial sum in block order), the terms formed by the tier's `K`. Every
+/// token's activations are prepared once ([`prepare_q8_acts`]); then, four rows
+/// and eight blocks at a time, the rows' chunks are unpacked once and met by
+/// every token, each token's four serial sums carried in the lanes of one
+/// register (a last group of fewer rows adds zeros in the missing lanes). One
+/// token (decode) prefetches the rows two groups ahead. Inlined into each
+/// tier's entry, whose target features it then runs with (so it calls the
+/// tier's functions directly, never from a closure, which would not inherit
+/// them).
+///
+/// # Safety
+/// The CPU has the features of `K`'s tier (which include AVX2, FMA and F16C);
+/// `w` holds rows of `nb > 0` blocks and `y` whole tokens of `nb` blocks, and
+/// `out` one value per (token, row).
+#[inline(always)]
+pub(super) unsafe fn gemq_q4_1_with<S: Q4_1Source, K: Q4_1Terms<S>>(
+    w: S,
+    nb: usize,
+    y: &[BlockQ8_0],
+    out: &mut [f32],
+    sc: &mut GemqScratch,
+) {
     let (n_tok, n_rows) = (y.len() / nb, w.n_rows());
     if n_rows == 0 || n_tok == 0 {
         return;
     }
-    let (n_chunks, n_pairs) = (nb.div_ceil(8), nb.div_ceil(2));
-    GEMQ_SCRATCH.with_borrow_mut(|sc| {
-        sc.terms.resize(n_tok * n_chunks, [_mm256_setzero_ps(); 2]);
-        sc.pairs
-            .resize(n_tok * n_pairs, [_mm256_setzero_si256(); 2]);
-        sc.sums.resize(n_tok, _mm_setzero_ps());
-        for ((yt, terms), pairs) in y
-            .chunks_exact(nb)
-            .zip(sc.terms.chunks_exact_mut(n_chunks))
-            .zip(sc.pairs.chunks_exact_mut(n_pairs))
-        {
-            prepare_q8_acts(yt, terms, pairs);
-        }
-        for r0 in (0..n_rows).step_by(4) {
-            let valid = (n_rows - r0).min(4);
-            let ahead = Prefetch::new(w.rows_bytes(r0, valid), 2, n_chunks);
-            sc.sums[..n_tok].fill(_mm_setzero_ps());
-            for c in 0..n_chunks {
-                if n_tok == 1 {
-                    ahead.step(c);
+    let n_chunks = nb.div_ceil(8);
+    // SAFETY: the caller guarantees the features of `K`'s tier, which include
+    // the AVX2 tier's that the callees need (here and in every block below).
+    let (zero_acts, zero4, zero8) = unsafe {
+        let acts = Q8Acts {
+            dy: _mm256_setzero_ps(),
+            s: _mm256_setzero_ps(),
+            lo: [_mm256_setzero_si256(); 4],
+            hi: [_mm256_setzero_si256(); 4],
+        };
+        (acts, _mm_setzero_ps(), _mm256_setzero_ps())
+    };
+    sc.acts.resize(n_tok * n_chunks, zero_acts);
+    sc.sums.resize(n_tok, zero4);
+    for (yt, acts) in y.chunks_exact(nb).zip(sc.acts.chunks_exact_mut(n_chunks)) {
+        // SAFETY: as above.
+        unsafe { prepare_q8_acts(yt, acts) };
+    }
+    for r0 in (0..n_rows).step_by(4) {
+        let valid = (n_rows - r0).min(4);
+        let ahead = Prefetch::new(w.rows_bytes(r0, valid), 2, n_chunks);
+        sc.sums[..n_tok].fill(zero4);
+        for c in 0..n_chunks {
+            let len = (nb - 8 * c).min(8);
+            let mut terms = [zero8; 4];
+            if n_tok == 1 {
+                // SAFETY: as above.
+                unsafe { ahead.step(c) };
+                // Each row's chunk is unpacked and met at once (keeping four
+                // unpacked chunks alive would spill them).
+                for (r, t) in terms.iter_mut().enumerate().take(valid) {
+                    // SAFETY: as above.
+                    *t = unsafe { K::terms(&K::unpack(&w, r0 + r, c, len), len, &sc.acts[c]) };
                 }
-                let len = (nb - 8 * c).min(8);
-                let n_p = len.div_ceil(2);
-                let mut terms = [_mm256_setzero_ps(); 4];
-                if n_tok == 1 {
-                    // Each row's chunk is unpacked and met at once (keeping four
-                    // unpacked chunks alive would spill them).
-                    let (yp, tc) = (&sc.pairs[4 * c..n_pairs], sc.terms[c]);
-                    for (r, t) in terms.iter_mut().enumerate().take(valid) {
-                        // SAFETY: AVX2, FMA and F16C are enabled here.
-                        let x = unsafe { w.chunk(r0 + r, c, len) };
-                        *t = q4_1_pair_terms(&x, n_p, yp, tc);
-                    }
-                    sc.sums[0] = add_in_order_x4(sc.sums[0], &terms, len);
-                    continue;
-                }
-                let none = Q4_1Chunk {
-                    nibbles: [[_mm256_setzero_si256(); 2]; 4],
-                    d: _mm256_setzero_ps(),
-                    m: _mm256_setzero_ps(),
-                };
-                let mut x = [none; 4];
-                for (r, x) in x.iter_mut().enumerate().take(valid) {
-                    // SAFETY: AVX2, FMA and F16C are enabled here.
-                    *x = unsafe { w.chunk(r0 + r, c, len) };
-                }
-                for (t, sumf) in sc.sums[..n_tok].iter_mut().enumerate() {
-                    let yp = &sc.pairs[t * n_pairs + 4 * c..(t + 1) * n_pairs];
-                    let tc = sc.terms[t * n_chunks + c];
-                    for (t, x) in terms.iter_mut().zip(&x).take(valid) {
-                        *t = q4_1_pair_terms(x, n_p, yp, tc);
-                    }
-                    *sumf = add_in_order_x4(*sumf, &terms, len);
-                }
+                // SAFETY: as above.
+                sc.sums[0] = unsafe { add_in_order_x4(sc.sums[0], &terms, len) };
+                continue;
             }
-            for (t, sumf) in sc.sums[..n_tok].iter().enumerate() {
-                let mut lanes = [0.0f32; 4];
-                store_f32x4(&mut lanes, *sumf);
-                out[t * n_rows + r0..t * n_rows + r0 + valid].copy_from_slice(&lanes[..valid]);
+            let mut x = [None; 4];
+            for (r, x) in x.iter_mut().enumerate().take(valid) {
+                // SAFETY: as above.
+                *x = Some(unsafe { K::unpack(&w, r0 + r, c, len) });
+            }
+            for (t, sumf) in sc.sums[..n_tok].iter_mut().enumerate() {
+                let acts = &sc.acts[t * n_chunks + c];
+                for (t, x) in terms.iter_mut().zip(&x) {
+                    if let Some(x) = x {
+                        // SAFETY: as above.
+                        *t = unsafe { K::terms(x, len, acts) };
+                    }
+                }
+                // SAFETY: as above.
+                *sumf = unsafe { add_in_order_x4(*sumf, &terms, len) };
             }
         }
-    });
+        for (t, sumf) in sc.sums[..n_tok].iter().enumerate() {
+            let mut lanes = [0.0f32; 4];
+            // SAFETY: as above.
+            unsafe { store_f32x4(&mut lanes, *sumf) };
+            out[t * n_rows + r0..t * n_rows + r0 + valid].copy_from_slice(&lanes[..valid]);
+        }
+    }
 }
 
 /// [`crate::q8_matvec::matvec_q8_0_q8_0_ref`] for rows of `nb` blocks, four rows
@@ -1441,7 +1540,7 @@ fn quant_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
 /// starts `chunk`, widened.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn f2_heads<B: F2Block>(chunk: &[u8]) -> (__m256, __m256) {
+pub(super) fn f2_heads<B: F2Block>(chunk: &[u8]) -> (__m256, __m256) {
     let heads = &chunk[..B::HEAD_BYTES];
     let d: &[u8; 16] = heads[..16].try_into().unwrap();
     let d = _mm256_cvtph_ps(load_u8x16(d));
@@ -1653,7 +1752,7 @@ impl<B: Block16> Panel16<'_, B> {
 /// then their sum: the same additions on the same operands.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum_lanes(v: __m256) -> f32 {
+pub(super) fn hsum_lanes(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
@@ -1687,7 +1786,7 @@ fn fma1(w: &[f32], x: &[f32]) -> f32 {
 /// `groups_ahead` further on is requested, a slice of it per step (a chunk of
 /// eight blocks: per block, the bookkeeping cost a quarter of the decode kernel).
 #[derive(Clone, Copy)]
-struct Prefetch {
+pub(super) struct Prefetch {
     start: *const u8,
     /// Cache lines requested per step.
     per_step: usize,
@@ -1696,7 +1795,7 @@ struct Prefetch {
 impl Prefetch {
     /// For a group processed in `steps` steps (at least one).
     #[inline]
-    fn new<T>(group: &[T], groups_ahead: usize, steps: usize) -> Self {
+    pub(super) fn new<T>(group: &[T], groups_ahead: usize, steps: usize) -> Self {
         let bytes = size_of_val(group);
         Prefetch {
             start: group
@@ -1710,7 +1809,7 @@ impl Prefetch {
     /// Requests step `b`'s share of the group ahead.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn step(self, b: usize) {
+    pub(super) fn step(self, b: usize) {
         let per = self.per_step;
         for l in b * per..(b + 1) * per {
             // A hint only: `_mm_prefetch` never faults, and `wrapping_add` forms
@@ -1757,34 +1856,36 @@ unsafe fn tile<const R: usize, const T: usize>(w: &[f32], x: &[f32], k: usize, o
 
 // ---- attention ------------------------------------------------------------------
 
-/// [`crate::attn::exp_ref`] on 8 lanes: the same operations lane by lane.
+/// [`crate::attn::exp_ref`] on 8 lanes: [`exp_lanes`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn exp8(x: __m256) -> __m256 {
-    let max = _mm256_set1_ps(EXP_MAX);
-    // `if x > MAX { MAX } else { x }` (a NaN stays).
-    let x = _mm256_blendv_ps(x, max, _mm256_cmp_ps::<_CMP_GT_OQ>(x, max));
-    let small = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_MIN));
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        x,
-        _mm256_set1_ps(EXP_LOG2E),
-    ));
-    let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_HI), x);
-    let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_LO), r);
-    let mut p = _mm256_set1_ps(EXP_P[0]);
-    for &c in &EXP_P[1..] {
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+pub(super) fn exp8(x: __m256) -> __m256 {
+    // SAFETY: AVX2 and FMA are enabled here.
+    unsafe { exp_lanes(x) }
+}
+
+/// [`crate::attn::exp_ref`] on a vector of either tier's width: the same
+/// operations lane by lane.
+///
+/// # Safety
+/// The CPU has the features of `V`'s tier.
+#[inline(always)]
+pub(super) unsafe fn exp_lanes<V: F32Lanes>(x: V) -> V {
+    // SAFETY: the caller guarantees the tier's features (every call below).
+    unsafe {
+        // `if x > MAX { MAX } else { x }` (a NaN stays).
+        let x = x.min_keep_nan(EXP_MAX);
+        let n = V::mul(x, V::splat(EXP_LOG2E)).round_even();
+        let r = V::mul_add(n, V::splat(-EXP_LN2_HI), x);
+        let r = V::mul_add(n, V::splat(-EXP_LN2_LO), r);
+        let mut p = V::splat(EXP_P[0]);
+        for &c in &EXP_P[1..] {
+            p = V::mul_add(p, r, V::splat(c));
+        }
+        let y = V::add(V::mul_add(p, V::mul(r, r), r), V::splat(1.0));
+        // Lanes below MIN (and -inf) get garbage exponents here; they are set to +0.
+        V::mul(y, n.exp2_int()).zero_where_below(x, EXP_MIN)
     }
-    let y = _mm256_add_ps(
-        _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
-        _mm256_set1_ps(1.0),
-    );
-    // Lanes below MIN (and -inf) get garbage exponents here; they are cleared to +0.
-    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-        _mm256_cvtps_epi32(n),
-        _mm256_set1_epi32(127),
-    ));
-    _mm256_andnot_ps(small, _mm256_mul_ps(y, _mm256_castsi256_ps(e)))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -1846,110 +1947,101 @@ fn hsum_8_transposed(a: &[__m256; 8]) -> __m256 {
 
 /// The K/V element types the grouped attention kernel reads, eight at a time as
 /// f32 lanes: f32 rows as they are, f16 rows widened with F16C (exact).
-trait KvLanes: crate::attn::KvElem {
-    /// Eight consecutive elements at `p`, as f32.
-    ///
-    /// # Safety
-    /// `p` points at 8 readable elements and the CPU has AVX2 and F16C.
-    unsafe fn load8(p: *const Self) -> __m256;
-}
-
-impl KvLanes for f32 {
+impl KvVector<__m256> for u16 {
     #[inline(always)]
-    unsafe fn load8(p: *const f32) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable f32s and AVX.
-        unsafe { _mm256_loadu_ps(p) }
-    }
-}
-
-impl KvLanes for u16 {
-    #[inline(always)]
-    unsafe fn load8(p: *const u16) -> __m256 {
+    unsafe fn load_lanes(p: *const u16) -> __m256 {
         // SAFETY: the caller guarantees 8 readable u16s (16 bytes) and F16C.
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
     }
 }
 
-/// [`crate::attn::attn_group_ref`]: the `st.len()` queries of one KV head's group
-/// over `n` rows of `hd` elements, in chunks of up to three queries that share
-/// every K and V load (and, for f16 rows, every widening): scores of three
-/// queries over three positions at once (nine accumulators), then each query's
-/// softmax step, then V rows accumulated into three queries' outputs at once.
+/// The AVX2 tier's chunks of [`attn_group`]: up to three queries, scores of
+/// three queries over three positions at once (nine accumulators), then each
+/// query's softmax step, then V rows accumulated into three queries' outputs
+/// at once; every K and V load (and, for f16 rows, every widening) shared.
+pub(super) struct Avx2Attn;
+
+impl<T: KvVector<__m256>> AttnChunk<T> for Avx2Attn {
+    const MAX_QUERIES: usize = 3;
+
+    #[inline(always)]
+    unsafe fn chunk<const STREAM: bool>(
+        q: &[f32],
+        k: &[T],
+        v: &[T],
+        nh: (usize, usize),
+        scale: f32,
+        st: &mut [Running],
+        acc: &mut [f32],
+        s: &mut [f32],
+    ) {
+        // SAFETY: the caller's guarantees, as `attn_chunk` requires.
+        unsafe { attn_chunk::<T, STREAM>(q, k, v, nh, scale, st, acc, s) }
+    }
+}
+
+/// [`Avx2Attn`]'s chunk.
 ///
 /// # Safety
-/// `hd % 8 == 0`, `hd > 0`, `n > 0`, `k.len() == v.len() == n·hd`,
-/// `q.len() == acc.len() == st.len()·hd`, `scores.len() >= st.len()·n`, and the
-/// CPU has AVX2, FMA and F16C.
+/// As [`AttnChunk::chunk`], with AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn attn_group<T: KvLanes, const STREAM: bool>(
+unsafe fn attn_chunk<T: KvVector<__m256>, const STREAM: bool>(
     q: &[f32],
     k: &[T],
     v: &[T],
-    n: usize,
-    hd: usize,
+    (n, hd): (usize, usize),
     scale: f32,
     st: &mut [Running],
     acc: &mut [f32],
-    scores: &mut [f32],
+    s: &mut [f32],
 ) {
+    let gn = st.len();
     debug_assert!(
         hd.is_multiple_of(8)
+            && (1..=3).contains(&gn)
             && k.len() == n * hd
             && v.len() == n * hd
-            && q.len() == st.len() * hd
+            && q.len() == gn * hd
             && acc.len() == q.len()
-            && scores.len() >= st.len() * n
+            && s.len() == gn * n
     );
-    let mut g0 = 0;
-    while g0 < st.len() {
-        let gn = (st.len() - g0).min(3);
-        let qs = &q[g0 * hd..(g0 + gn) * hd];
-        let s = &mut scores[g0 * n..(g0 + gn) * n];
-        // SAFETY: (all three calls) the chunk's shapes are those of the whole
-        // group restricted to `gn` queries, as each callee requires.
-        unsafe {
+    // SAFETY: (all three calls) the shapes the callee requires.
+    unsafe {
+        match gn {
+            3 => group_scores::<T, 3, 3, STREAM>(q, k, n, hd, scale, s),
+            2 => group_scores::<T, 2, 4, STREAM>(q, k, n, hd, scale, s),
+            _ => group_scores::<T, 1, 8, STREAM>(q, k, n, hd, scale, s),
+        }
+    }
+    for ((w, run), a) in s.chunks_exact_mut(n).zip(st).zip(acc.chunks_exact_mut(hd)) {
+        softmax_step(w, run, a);
+    }
+    let vp = v.as_ptr();
+    let mut d0 = 0;
+    // SAFETY: (each call) d0 + 8R <= hd, `vp` points at n·hd readable
+    // elements, `s` holds gn·n weights and `acc` gn·hd values.
+    unsafe {
+        while d0 + 32 <= hd {
             match gn {
-                3 => group_scores::<T, 3, 3, STREAM>(qs, k, n, hd, scale, s),
-                2 => group_scores::<T, 2, 4, STREAM>(qs, k, n, hd, scale, s),
-                _ => group_scores::<T, 1, 8, STREAM>(qs, k, n, hd, scale, s),
-            }
-        }
-        let accs = &mut acc[g0 * hd..(g0 + gn) * hd];
-        for ((w, run), a) in s
-            .chunks_exact_mut(n)
-            .zip(&mut st[g0..g0 + gn])
-            .zip(accs.chunks_exact_mut(hd))
-        {
-            softmax_step(w, run, a);
-        }
-        let vp = v.as_ptr();
-        let mut d0 = 0;
-        // SAFETY: (each call) d0 + 8R <= hd, `vp` points at n·hd readable
-        // elements, `s` holds gn·n weights and `accs` gn·hd values.
-        unsafe {
-            while d0 + 32 <= hd {
-                match gn {
-                    // Three queries' 4-vector strips would need all 16 registers.
-                    3 => {
-                        accumulate_v::<T, 3, 2, STREAM>(s, n, vp, hd, d0, accs);
-                        accumulate_v::<T, 3, 2, STREAM>(s, n, vp, hd, d0 + 16, accs);
-                    }
-                    2 => accumulate_v::<T, 2, 4, STREAM>(s, n, vp, hd, d0, accs),
-                    _ => accumulate_v::<T, 1, 4, STREAM>(s, n, vp, hd, d0, accs),
+                // Three queries' 4-vector strips would need all 16 registers.
+                3 => {
+                    accumulate_v::<T, __m256, 3, 2, STREAM>(s, n, vp, hd, d0, acc);
+                    accumulate_v::<T, __m256, 3, 2, STREAM>(s, n, vp, hd, d0 + 16, acc);
                 }
-                d0 += 32;
+                2 => accumulate_v::<T, __m256, 2, 4, STREAM>(s, n, vp, hd, d0, acc),
+                _ => accumulate_v::<T, __m256, 1, 4, STREAM>(s, n, vp, hd, d0, acc),
             }
-            while d0 < hd {
-                match gn {
-                    3 => accumulate_v::<T, 3, 1, STREAM>(s, n, vp, hd, d0, accs),
-                    2 => accumulate_v::<T, 2, 1, STREAM>(s, n, vp, hd, d0, accs),
-                    _ => accumulate_v::<T, 1, 1, STREAM>(s, n, vp, hd, d0, accs),
-                }
-                d0 += 8;
-            }
+            d0 += 32;
         }
-        g0 += gn;
+        while d0 < hd {
+            match gn {
+                3 => accumulate_v::<T, __m256, 3, 1, STREAM>(s, n, vp, hd, d0, acc),
+                2 => accumulate_v::<T, __m256, 2, 1, STREAM>(s, n, vp, hd, d0, acc),
+                _ => accumulate_v::<T, __m256, 1, 1, STREAM>(s, n, vp, hd, d0, acc),
+            }
+            d0 += 8;
+        }
     }
 }
 
@@ -1963,7 +2055,7 @@ unsafe fn attn_group<T: KvLanes, const STREAM: bool>(
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)] // g and j index two arrays at once
-unsafe fn group_scores<T: KvLanes, const G: usize, const P: usize, const STREAM: bool>(
+unsafe fn group_scores<T: KvVector<__m256>, const G: usize, const P: usize, const STREAM: bool>(
     q: &[f32],
     k: &[T],
     n: usize,
@@ -1985,7 +2077,7 @@ unsafe fn group_scores<T: KvLanes, const G: usize, const P: usize, const STREAM:
                 std::array::from_fn(|g| unsafe { _mm256_loadu_ps(qp.add(g * hd + c)) });
             for j in 0..P {
                 // SAFETY: p + j < n and c + 8 <= hd: inside `k` (n·hd elements).
-                let kv = unsafe { T::load8(kp.add((p + j) * hd + c)) };
+                let kv = unsafe { T::load_lanes(kp.add((p + j) * hd + c)) };
                 for g in 0..G {
                     a[g][j] = _mm256_fmadd_ps(qv[g], kv, a[g][j]);
                 }
@@ -2002,7 +2094,7 @@ unsafe fn group_scores<T: KvLanes, const G: usize, const P: usize, const STREAM:
         let mut a = [_mm256_setzero_ps(); G];
         for c in (0..hd).step_by(8) {
             // SAFETY: as above, for one position.
-            let kv = unsafe { T::load8(kp.add(p * hd + c)) };
+            let kv = unsafe { T::load_lanes(kp.add(p * hd + c)) };
             for (g, a) in a.iter_mut().enumerate() {
                 // SAFETY: as above.
                 let qv = unsafe { _mm256_loadu_ps(qp.add(g * hd + c)) };
@@ -2027,7 +2119,7 @@ const ATTN_PREFETCH_AHEAD: usize = 64;
 /// `wrapping_add` forms the addresses without claiming they are in bounds.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch_rows_ahead<T>(base: *const T, hd: usize, p: usize, count: usize) {
+pub(super) fn prefetch_rows_ahead<T>(base: *const T, hd: usize, p: usize, count: usize) {
     let start = base
         .wrapping_add((p + ATTN_PREFETCH_AHEAD) * hd)
         .cast::<i8>();
@@ -2112,16 +2204,148 @@ fn softmax_step(s: &mut [f32], st: &mut Running, acc: &mut [f32]) {
     st.m = m_new;
 }
 
+/// f32 vectors of one tier's width, for the attention code whose only
+/// difference between the tiers is that width: 8 lanes (AVX2) or 16 (AVX-512).
+/// Every method is inlined into its tier's kernels, which run with the
+/// features the intrinsics need.
+pub(super) trait F32Lanes: Copy {
+    /// Lanes per vector.
+    const LANES: usize;
+    /// # Safety
+    /// `p` points at `LANES` readable f32s; the CPU has the tier's features.
+    unsafe fn load(p: *const f32) -> Self;
+    /// # Safety
+    /// `p` points at `LANES` writable f32s; the CPU has the tier's features.
+    unsafe fn store(self, p: *mut f32);
+    /// # Safety
+    /// The CPU has the tier's features.
+    unsafe fn splat(x: f32) -> Self;
+    /// `a·b + c`, one rounding.
+    ///
+    /// # Safety
+    /// The CPU has the tier's features.
+    unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self;
+    /// `a·b`. # Safety: as [`Self::splat`].
+    unsafe fn mul(a: Self, b: Self) -> Self;
+    /// `a + b`. # Safety: as [`Self::splat`].
+    unsafe fn add(a: Self, b: Self) -> Self;
+    /// `if x > max { max } else { x }` per lane (a NaN stays).
+    /// # Safety: as [`Self::splat`].
+    unsafe fn min_keep_nan(self, max: f32) -> Self;
+    /// Rounded to an integer, ties to even. # Safety: as [`Self::splat`].
+    unsafe fn round_even(self) -> Self;
+    /// `2^n` for integral lanes `n` in `-126..=127`, from the exponent bits.
+    /// # Safety: as [`Self::splat`].
+    unsafe fn exp2_int(self) -> Self;
+    /// `+0` in the lanes where `x < min`, `self` elsewhere.
+    /// # Safety: as [`Self::splat`].
+    unsafe fn zero_where_below(self, x: Self, min: f32) -> Self;
+}
+
+impl F32Lanes for __m256 {
+    const LANES: usize = 8;
+
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: the caller's guarantees.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        // SAFETY: the caller's guarantees.
+        unsafe { _mm256_storeu_ps(p, self) }
+    }
+
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        // SAFETY: the caller guarantees AVX.
+        unsafe { _mm256_set1_ps(x) }
+    }
+
+    #[inline(always)]
+    unsafe fn mul_add(a: Self, b: Self, c: Self) -> Self {
+        // SAFETY: the caller guarantees FMA.
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+
+    #[inline(always)]
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        // SAFETY: the caller guarantees AVX.
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+
+    #[inline(always)]
+    unsafe fn add(a: Self, b: Self) -> Self {
+        // SAFETY: the caller guarantees AVX.
+        unsafe { _mm256_add_ps(a, b) }
+    }
+
+    #[inline(always)]
+    unsafe fn min_keep_nan(self, max: f32) -> Self {
+        // SAFETY: the caller guarantees AVX.
+        unsafe {
+            let max = _mm256_set1_ps(max);
+            _mm256_blendv_ps(self, max, _mm256_cmp_ps::<_CMP_GT_OQ>(self, max))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn round_even(self) -> Self {
+        // SAFETY: the caller guarantees AVX.
+        unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self) }
+    }
+
+    #[inline(always)]
+    unsafe fn exp2_int(self) -> Self {
+        // SAFETY: the caller guarantees AVX2.
+        unsafe {
+            let e = _mm256_add_epi32(_mm256_cvtps_epi32(self), _mm256_set1_epi32(127));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn zero_where_below(self, x: Self, min: f32) -> Self {
+        // SAFETY: the caller guarantees AVX.
+        unsafe { _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(min)), self) }
+    }
+}
+
+/// K/V elements read as vectors `V` of f32 (f16 widened exactly).
+pub(super) trait KvVector<V>: crate::attn::KvElem {
+    /// `V::LANES` consecutive elements at `p`, as f32.
+    ///
+    /// # Safety
+    /// `p` points at that many readable elements; the CPU has the tier's
+    /// features.
+    unsafe fn load_lanes(p: *const Self) -> V;
+}
+
+impl KvVector<__m256> for f32 {
+    #[inline(always)]
+    unsafe fn load_lanes(p: *const f32) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable f32s and AVX.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
 /// `acc_g[d] = fma(w_g[p], v[p·hd + d], acc_g[d])` for the `G` queries (weights
-/// `w[g·n..]`, outputs `acc[g·hd..]`), `d` in `d0..d0 + 8R`, `p` in order: each V
-/// vector is loaded (and widened) once for the `G` queries.
+/// `w[g·n..]`, outputs `acc[g·hd..]`), `d` in `d0..d0 + R·V::LANES`, `p` in
+/// order: each V vector is loaded (and widened) once for the `G` queries. Both
+/// tiers' V accumulation, at their widths.
 ///
 /// # Safety
-/// `d0 + 8R <= hd`, `w.len() == G·n`, `acc.len() == G·hd`, `vp` points at `n·hd`
-/// readable elements, and the CPU has AVX2, FMA and F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn accumulate_v<T: KvLanes, const G: usize, const R: usize, const STREAM: bool>(
+/// `d0 + R·V::LANES <= hd`, `w.len() == G·n`, `acc.len() == G·hd`, `vp` points
+/// at `n·hd` readable elements, and the CPU has the features of `V`'s tier.
+#[inline(always)]
+pub(super) unsafe fn accumulate_v<
+    T: KvVector<V>,
+    V: F32Lanes,
+    const G: usize,
+    const R: usize,
+    const STREAM: bool,
+>(
     w: &[f32],
     n: usize,
     vp: *const T,
@@ -2129,25 +2353,36 @@ unsafe fn accumulate_v<T: KvLanes, const G: usize, const R: usize, const STREAM:
     d0: usize,
     acc: &mut [f32],
 ) {
-    debug_assert!(d0 + 8 * R <= hd && w.len() == G * n && acc.len() == G * hd);
-    let mut a: [[__m256; R]; G] =
-        std::array::from_fn(|g| std::array::from_fn(|r| load_f32x8(&acc[g * hd + d0 + 8 * r..])));
+    debug_assert!(d0 + V::LANES * R <= hd && w.len() == G * n && acc.len() == G * hd);
+    let (ap, l) = (acc.as_mut_ptr(), V::LANES);
+    let mut a: [[V; R]; G] = std::array::from_fn(|g| {
+        std::array::from_fn(|r| {
+            // SAFETY: g < G and d0 + l·(r + 1) <= hd: inside `acc` (G·hd
+            // values); the caller guarantees the tier's features (here and in
+            // every block below).
+            unsafe { V::load(ap.add(g * hd + d0 + l * r)) }
+        })
+    });
     for p in 0..n {
         if STREAM && d0 == 0 {
-            prefetch_rows_ahead(vp, hd, p, 1);
+            // SAFETY: as above.
+            unsafe { prefetch_rows_ahead(vp, hd, p, 1) };
         }
-        let wb: [__m256; G] = std::array::from_fn(|g| _mm256_set1_ps(w[g * n + p]));
+        // SAFETY: as above.
+        let wb: [V; G] = std::array::from_fn(|g| unsafe { V::splat(w[g * n + p]) });
         for r in 0..R {
-            // SAFETY: p < n and d0 + 8r + 8 <= hd: inside the V rows.
-            let x = unsafe { T::load8(vp.add(p * hd + d0 + 8 * r)) };
+            // SAFETY: p < n and d0 + l·(r + 1) <= hd: inside the V rows.
+            let x = unsafe { T::load_lanes(vp.add(p * hd + d0 + l * r)) };
             for (a, &wb) in a.iter_mut().zip(&wb) {
-                a[r] = _mm256_fmadd_ps(wb, x, a[r]);
+                // SAFETY: as above.
+                a[r] = unsafe { V::mul_add(wb, x, a[r]) };
             }
         }
     }
     for (g, a) in a.iter().enumerate() {
         for (r, a) in a.iter().enumerate() {
-            store_f32x8(&mut acc[g * hd + d0 + 8 * r..], *a);
+            // SAFETY: as the loads above.
+            unsafe { a.store(ap.add(g * hd + d0 + l * r)) };
         }
     }
 }

@@ -69,15 +69,23 @@ impl Drop for TempDir {
 pub const MODEL_A: ModelId = ModelId {
     model_fp: [0xa1; 16],
     quant_fp: [0x04; 8],
+    weights_fp: [0x1a; 16],
 };
-/// Same model as A, other quantization.
+/// Same model as A, other quantization (so other weights).
 pub const MODEL_A_Q2: ModelId = ModelId {
     model_fp: [0xa1; 16],
     quant_fp: [0x02; 8],
+    weights_fp: [0x2a; 16],
+};
+/// Same layout and quantization as A, other tensor data.
+pub const MODEL_A_TAMPERED: ModelId = ModelId {
+    weights_fp: [0x3a; 16],
+    ..MODEL_A
 };
 pub const MODEL_B: ModelId = ModelId {
     model_fp: [0xb2; 16],
     quant_fp: [0x04; 8],
+    weights_fp: [0x1b; 16],
 };
 
 pub fn big_config() -> StoreConfig {

@@ -1,0 +1,587 @@
+//! Order F2 of [`crate::act16`] (16-bit activations against packed Q4_1 and
+//! Q8_0 rows) and the activation rounding, on AVX-512 F/BW/VL/VNNI.
+//!
+//! The order's unit is one 8-lane accumulator per (row, token), fed per block
+//! by eight exact integer lane sums and one `fma` with `c = d·s`. A 512-bit
+//! register holds two such accumulators, so each instruction here advances two
+//! (row, token) pairs by exactly the operations the 256-bit tier applies to one;
+//! `vpdpwssd` adds the odd elements' products to the even ones' (`vpmaddwd`)
+//! in the same instruction, and integer sums are exact in any grouping.
+//!
+//! - A batch (prefill) puts two tokens in a register, their lanes interleaved:
+//!   lane `2l` is the first token's lane `l`, lane `2l + 1` the second's. Each
+//!   panel of rows has its blocks widened once with every 32-bit pair of quants
+//!   duplicated ([`Block16x2::quants_dup`]) and each group of tokens its blocks
+//!   interleaved pair by pair once (two-source permutations), so that the tile
+//!   loop is loads, `vpmaddwd` + `vpdpwssd`, a conversion and an `fma` per
+//!   register, each block's two scales `(c_t, c_u)` one 64-bit broadcast from
+//!   the chunk's products `d·s`, formed sixteen at a time.
+//! - One token (decode) puts two rows in a register, one per 256-bit half
+//!   ([`Block16x2::quants_halves`], the 256-bit tier's widening side by side),
+//!   against the token's block broadcast to both halves; each block's scales
+//!   are one permutation of the chunk's products.
+//!
+//! The tiles' shapes and the panel size were measured on Zen 5 (see
+//! [`TILE_ROWS`]).
+
+use std::arch::x86_64::*;
+
+use super::super::avx2::{f2_heads, Prefetch};
+use super::reduce_pairs;
+use crate::act16::{Act16, Act16Row, F2Block, F2Rows, ACT16_MAX, CHUNK, QK_ACT16};
+use crate::q4_1::BlockQ4_1;
+use crate::q8_0::BlockQ8_0;
+
+/// `vpshufb` indices that widen quant bytes to 16-bit words with every 32-bit
+/// pair duplicated. Lane `L` of the source holds elements `8L..8L + 8` at byte
+/// `8·(L % 2)` on; dwords `2k` and `2k + 1` of lane `L` (`k` = 0, 1) both get
+/// elements `(8L + 4k + o, 8L + 4k + 2 + o)`, `o` = 0 for the even elements and
+/// 1 for the odd ones: the 32-bit pairs `vpmaddwd` forms in the stored order of
+/// [`crate::act16`]. Each byte goes to the word's low byte (the rest zeroed) or,
+/// with `high`, to its high byte (for a sign-extending shift).
+const fn dup_pairs(odd: bool, high: bool) -> __m512i {
+    let mut idx = [0x80u8; 64];
+    let mut lane = 0;
+    while lane < 4 {
+        let base = 8 * (lane % 2) + odd as usize;
+        let mut w = 0;
+        while w < 8 {
+            let e = base + 4 * (w / 4) + 2 * (w % 2);
+            idx[16 * lane + 2 * w + high as usize] = e as u8;
+            w += 1;
+        }
+        lane += 1;
+    }
+    // SAFETY: 64 bytes to a 64-byte vector; every bit pattern is a valid __m512i.
+    unsafe { std::mem::transmute::<[u8; 64], __m512i>(idx) }
+}
+
+/// 32-bit lanes `[k, 16 + k]` for `k` = `first..first + 8`: two vectors'
+/// lanes interleaved by `vpermt2d`/`vpermt2ps`.
+const fn interleave_idx(first: i32) -> __m512i {
+    let mut idx = [0i32; 16];
+    let mut k = 0;
+    while k < 8 {
+        idx[2 * k] = first + k as i32;
+        idx[2 * k + 1] = 16 + first + k as i32;
+        k += 1;
+    }
+    // SAFETY: 64 bytes to a 64-byte vector; every bit pattern is a valid __m512i.
+    unsafe { std::mem::transmute::<[i32; 16], __m512i>(idx) }
+}
+
+/// 32-bit lanes from a list.
+const fn lanes(idx: [i32; 16]) -> __m512i {
+    // SAFETY: 64 bytes to a 64-byte vector; every bit pattern is a valid __m512i.
+    unsafe { std::mem::transmute::<[i32; 16], __m512i>(idx) }
+}
+
+/// The even lanes, then the odd ones: an interleaved pair back in halves.
+const DEINTERLEAVE: __m512i = lanes([0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15]);
+/// Each of the low eight lanes twice.
+const DUP_LOW8: __m512i = lanes([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]);
+
+/// A weight block as the AVX-512 tiles take it.
+pub(super) trait Block16x2: F2Block {
+    /// The block's 32 quants at `q` as i16 with each 32-bit pair duplicated:
+    /// dwords `2k` and `2k + 1` of `[0]` hold elements `(4k, 4k + 2)`, those of
+    /// `[1]` elements `(4k + 1, 4k + 3)`.
+    ///
+    /// # Safety
+    /// `q` points at [`F2Block::QUANT_BYTES`] readable bytes; the CPU has
+    /// AVX-512 F and BW.
+    unsafe fn quants_dup(q: *const u8) -> [__m512i; 2];
+
+    /// Two blocks' quants, the one at `q0` in the low 256-bit half and the one
+    /// at `q1` in the high one, each as i16 in the stored order of
+    /// [`crate::act16`]: `[0]` the even elements, `[1]` the odd ones.
+    ///
+    /// # Safety
+    /// As [`Self::quants_dup`], for both pointers.
+    unsafe fn quants_halves(q0: *const u8, q1: *const u8) -> [__m512i; 2];
+}
+
+impl Block16x2 for BlockQ4_1 {
+    #[inline(always)]
+    unsafe fn quants_dup(q: *const u8) -> [__m512i; 2] {
+        // SAFETY: `q` is 16 readable bytes; the caller guarantees AVX-512 F/BW.
+        unsafe {
+            // Every 128-bit lane holds the 16 bytes; lanes 2 and 3 shifted by a
+            // nibble, so that byte j's low nibble there is its high one (element
+            // 16 + j), then one nibble per byte.
+            let q = _mm512_broadcast_i32x4(_mm_loadu_si128(q.cast()));
+            let q = _mm512_srlv_epi32(
+                q,
+                _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4),
+            );
+            let q = _mm512_and_si512(q, _mm512_set1_epi8(0x0F));
+            [
+                _mm512_shuffle_epi8(q, const { dup_pairs(false, false) }),
+                _mm512_shuffle_epi8(q, const { dup_pairs(true, false) }),
+            ]
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn quants_halves(q0: *const u8, q1: *const u8) -> [__m512i; 2] {
+        // SAFETY: `q0` and `q1` are 16 readable bytes each; AVX-512 as above.
+        unsafe {
+            // As the 256-bit tier: each half holds its block twice, the high
+            // copy shifted by a nibble, so that the low nibbles of the 16-bit
+            // words are the even elements and those of their high bytes the odd.
+            let lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(q0.cast()));
+            let hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(q1.cast()));
+            let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+            let q = _mm512_srlv_epi32(
+                q,
+                _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4),
+            );
+            let low = _mm512_set1_epi16(0x0F);
+            [
+                _mm512_and_si512(q, low),
+                _mm512_and_si512(_mm512_srli_epi16::<8>(q), low),
+            ]
+        }
+    }
+}
+
+impl Block16x2 for BlockQ8_0 {
+    #[inline(always)]
+    unsafe fn quants_dup(q: *const u8) -> [__m512i; 2] {
+        // SAFETY: `q` is 32 readable bytes; AVX-512 as above.
+        unsafe {
+            // Lanes [bytes 0..16, bytes 0..16, bytes 16..32, bytes 16..32]; each
+            // byte shuffled into a word's high byte, then sign-extended.
+            let q = _mm512_castsi256_si512(_mm256_loadu_si256(q.cast()));
+            let q = _mm512_shuffle_i64x2::<0x50>(q, q);
+            [
+                _mm512_srai_epi16::<8>(_mm512_shuffle_epi8(q, const { dup_pairs(false, true) })),
+                _mm512_srai_epi16::<8>(_mm512_shuffle_epi8(q, const { dup_pairs(true, true) })),
+            ]
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn quants_halves(q0: *const u8, q1: *const u8) -> [__m512i; 2] {
+        // SAFETY: `q0` and `q1` are 32 readable bytes each; AVX-512 as above.
+        unsafe {
+            let q = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(q0.cast())),
+                _mm256_loadu_si256(q1.cast()),
+            );
+            [
+                _mm512_srai_epi16::<8>(_mm512_slli_epi16::<8>(q)),
+                _mm512_srai_epi16::<8>(q),
+            ]
+        }
+    }
+}
+
+/// `acc + madd(a, b)` as one `vpdpwssd` (LLVM otherwise splits the intrinsic
+/// into `vpmaddwd` and `vpaddd`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn dpwssd(mut acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+    // SAFETY: one instruction on register operands, which this function's
+    // target features (checked by the tier's detection) include.
+    unsafe {
+        std::arch::asm!(
+            "vpdpwssd {acc}, {a}, {b}",
+            acc = inout(zmm_reg) acc,
+            a = in(zmm_reg) a,
+            b = in(zmm_reg) b,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+    }
+    acc
+}
+
+/// Block `b` of an activation row: its 32 stored quants (evens, then odds).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn act_block(row: &Act16Row<'_>, b: usize) -> __m512i {
+    let x: &[i16; 32] = row.q[32 * b..32 * b + 32].try_into().unwrap();
+    // SAFETY: `x` is 64 readable bytes; `loadu` has no alignment requirement.
+    unsafe { _mm512_loadu_si512(x.as_ptr().cast()) }
+}
+
+/// Eight consecutive values of `v` from `at`, widened to a 512-bit register
+/// (the high half undefined).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn load8(v: &[f32], at: usize) -> __m512 {
+    let v: &[f32; 8] = v[at..at + 8].try_into().unwrap();
+    // SAFETY: `v` is 8 readable f32s; `loadu` has no alignment requirement.
+    _mm512_castps256_ps512(unsafe { _mm256_loadu_ps(v.as_ptr()) })
+}
+
+/// A panel of rows' quants widened for [`tile_pairs`] ([`Block16x2::quants_dup`],
+/// per row its blocks in order), and the activations of one fill of an
+/// [`Act16`] (`acts_id`, its [`Act16::fill_id`]) interleaved by pairs of tokens
+/// (per pair its blocks in order, `[even, odd]` elements; and per pair and
+/// chunk of eight blocks the interleaved scales `s` and sums `σ`), kept across
+/// calls: every unit of rows and every matrix of a call takes the same
+/// activations.
+#[derive(Default)]
+struct PairScratch {
+    quants: Vec<[__m512i; 2]>,
+    acts_id: u64,
+    acts: Vec<[__m512i; 2]>,
+    scales: Vec<[__m512; 2]>,
+}
+
+thread_local! {
+    static PAIR_SCRATCH: std::cell::RefCell<PairScratch> =
+        std::cell::RefCell::new(PairScratch::default());
+}
+
+/// Widens the quants of rows `rows` of `w` into `out`, row after row.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn widen_panel<B: Block16x2>(
+    w: &F2Rows<'_, B>,
+    rows: std::ops::Range<usize>,
+    out: &mut Vec<[__m512i; 2]>,
+) {
+    let (nb, rb) = (w.nb, w.row_bytes());
+    out.clear();
+    for r in rows {
+        for c in 0..nb.div_ceil(CHUNK) {
+            let len = (nb - CHUNK * c).min(CHUNK);
+            let at = r * rb + c * B::CHUNK_BYTES + B::HEAD_BYTES;
+            let q = &w.bytes[at..at + len * B::QUANT_BYTES];
+            for j in 0..len {
+                // SAFETY: `q` holds `len` blocks' quants and j < len; AVX-512
+                // F/BW are enabled here.
+                out.push(unsafe { B::quants_dup(q.as_ptr().add(j * B::QUANT_BYTES)) });
+            }
+        }
+    }
+}
+
+/// Interleaves the rows of `acts` into `sc` by pairs of tokens (an odd last
+/// token paired with itself): per pair each block's even and odd elements,
+/// and per chunk the scales and sums. Nothing to do if `sc` holds them already.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn interleave_tokens(acts: &Act16, sc: &mut PairScratch) {
+    if sc.acts_id == acts.fill_id() {
+        return;
+    }
+    let (even, odd) = (const { interleave_idx(0) }, const { interleave_idx(8) });
+    let (nb, n_tok) = (acts.n() / QK_ACT16, acts.rows());
+    sc.acts.clear();
+    sc.scales.clear();
+    for t0 in (0..n_tok).step_by(2) {
+        let (t, u) = (acts.row(t0), acts.row((t0 + 1).min(n_tok - 1)));
+        for b in 0..nb {
+            let (xt, xu) = (act_block(&t, b), act_block(&u, b));
+            sc.acts.push([
+                _mm512_permutex2var_epi32(xt, even, xu),
+                _mm512_permutex2var_epi32(xt, odd, xu),
+            ]);
+        }
+        for c in (0..nb).step_by(CHUNK) {
+            let s = _mm512_permutex2var_ps(load8(t.scale, c), even, load8(u.scale, c));
+            let sigma = _mm512_permutex2var_ps(load8(t.sum, c), even, load8(u.sum, c));
+            sc.scales.push([s, sigma]);
+        }
+    }
+    sc.acts_id = acts.fill_id();
+}
+
+/// One batched tile of order F2: `R` rows (`rows`, indices into `w`; their
+/// widened quants `quants`) against `TP` token pairs (interleaved in `acts`
+/// and `scales`), `R·TP` registers of two accumulators. Per chunk of eight
+/// blocks each row's `d` and `m` are one load each, duplicated lane by lane,
+/// and each (row, pair)'s products `d·s` formed sixteen wide; per block each
+/// row's quants and each pair's activations are loaded once.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // r and p index several arrays at once
+fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
+    w: &F2Rows<'_, B>,
+    rows: [usize; R],
+    quants: [&[[__m512i; 2]]; R],
+    acts: [&[[__m512i; 2]]; TP],
+    scales: [&[[__m512; 2]]; TP],
+) -> [[[f32; 2]; TP]; R] {
+    let (nb, rb) = (w.nb, w.row_bytes());
+    let n_chunks = nb.div_ceil(CHUNK);
+    let mut acc = [[_mm512_setzero_ps(); TP]; R];
+    let mut macc = [[_mm512_setzero_ps(); TP]; R];
+    for c in 0..n_chunks {
+        let len = (nb - CHUNK * c).min(CHUNK);
+        let mut cs = [[_mm512_setzero_ps(); TP]; R];
+        for r in 0..R {
+            let (d, m) = f2_heads::<B>(&w.bytes[rows[r] * rb + c * B::CHUNK_BYTES..]);
+            let d = _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(d));
+            let m = _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(m));
+            for p in 0..TP {
+                let [s, sigma] = scales[p][c];
+                cs[r][p] = _mm512_mul_ps(d, s);
+                if B::HAS_MIN {
+                    macc[r][p] = _mm512_fmadd_ps(m, sigma, macc[r][p]);
+                }
+            }
+        }
+        let cs = cs.as_ptr().cast::<f64>();
+        for j in 0..len {
+            let b = CHUNK * c + j;
+            let x: [[__m512i; 2]; TP] = std::array::from_fn(|p| acts[p][b]);
+            for r in 0..R {
+                let [we, wo] = quants[r][b];
+                for p in 0..TP {
+                    let sums = dpwssd(_mm512_madd_epi16(we, x[p][0]), wo, x[p][1]);
+                    // SAFETY: `cs` holds R·TP vectors of 16 floats, 8 pairs each;
+                    // (r·TP + p)·8 + j indexes pair j of vector (r, p).
+                    let cb = _mm512_castpd_ps(_mm512_set1_pd(unsafe {
+                        *cs.add((r * TP + p) * CHUNK + j)
+                    }));
+                    acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), cb, acc[r][p]);
+                }
+            }
+        }
+    }
+    let mut halves = [[_mm512_setzero_ps(); TP]; R];
+    for r in 0..R {
+        for p in 0..TP {
+            let v = if B::HAS_MIN {
+                _mm512_add_ps(acc[r][p], macc[r][p])
+            } else {
+                acc[r][p]
+            };
+            halves[r][p] = _mm512_permutexvar_ps(DEINTERLEAVE, v);
+        }
+    }
+    let mut out = [[[0.0f32; 2]; TP]; R];
+    // Times 1: exact.
+    reduce_pairs(
+        halves.as_flattened(),
+        1.0,
+        out.as_flattened_mut().as_flattened_mut(),
+    );
+    out
+}
+
+/// One decode tile of order F2: the row pairs `rows` (indices into `w`, one
+/// row per 256-bit half) against one token, `RP` accumulators. Per chunk the
+/// pair's `d`s and `m`s are one load each and its products `d·s` sixteen wide;
+/// per block the token's activations are broadcast to both halves once for all
+/// rows, and each pair's scales put in place by one permutation. The rows of
+/// the tile two tiles ahead are prefetched once per chunk.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // r indexes several arrays at once
+fn tile_rows<B: Block16x2, const RP: usize>(
+    w: &F2Rows<'_, B>,
+    rows: [[usize; 2]; RP],
+    tok: &Act16Row<'_>,
+) -> [[f32; 2]; RP] {
+    let (nb, rb) = (w.nb, w.row_bytes());
+    let n_chunks = nb.div_ceil(CHUNK);
+    let first = rows[0][0] * rb;
+    let group = &w.bytes[first..(first + 2 * RP * rb).min(w.bytes.len())];
+    let ahead = Prefetch::new(group, 2, n_chunks);
+    let mut acc = [_mm512_setzero_ps(); RP];
+    let mut macc = [_mm512_setzero_ps(); RP];
+    let both = |v: __m512| _mm512_shuffle_f32x4::<0x44>(v, v);
+    for c in 0..n_chunks {
+        ahead.step(c);
+        let len = (nb - CHUNK * c).min(CHUNK);
+        let s = both(load8(tok.scale, CHUNK * c));
+        let mut cs = [_mm512_setzero_ps(); RP];
+        let mut quants = [[std::ptr::null::<u8>(); 2]; RP];
+        for r in 0..RP {
+            let mut heads = [(_mm256_setzero_ps(), _mm256_setzero_ps()); 2];
+            for h in 0..2 {
+                let chunk = &w.bytes[rows[r][h] * rb + c * B::CHUNK_BYTES..]
+                    [..B::HEAD_BYTES + len * B::QUANT_BYTES];
+                quants[r][h] = chunk[B::HEAD_BYTES..].as_ptr();
+                heads[h] = f2_heads::<B>(chunk);
+            }
+            let pair = |a: __m256, b: __m256| {
+                _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                    _mm512_castpd256_pd512(_mm256_castps_pd(a)),
+                    _mm256_castps_pd(b),
+                ))
+            };
+            cs[r] = _mm512_mul_ps(pair(heads[0].0, heads[1].0), s);
+            if B::HAS_MIN {
+                let sigma = both(load8(tok.sum, CHUNK * c));
+                macc[r] = _mm512_fmadd_ps(pair(heads[0].1, heads[1].1), sigma, macc[r]);
+            }
+        }
+        for j in 0..len {
+            let b = CHUNK * c + j;
+            let x: &[i16; 32] = tok.q[32 * b..32 * b + 32].try_into().unwrap();
+            // SAFETY: `x` is 64 readable bytes, read as two halves of 32.
+            let (xe, xo) = unsafe {
+                (
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(x.as_ptr().cast())),
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(x.as_ptr().add(16).cast())),
+                )
+            };
+            let pick = _mm512_add_epi32(
+                _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8),
+                _mm512_set1_epi32(j as i32),
+            );
+            for r in 0..RP {
+                // SAFETY: both rows' chunk slices hold `len` blocks' quants after
+                // their heads, and j < len; AVX-512 F/BW are enabled here.
+                let wq = unsafe {
+                    B::quants_halves(
+                        quants[r][0].add(j * B::QUANT_BYTES),
+                        quants[r][1].add(j * B::QUANT_BYTES),
+                    )
+                };
+                let sums = dpwssd(_mm512_madd_epi16(wq[0], xe), wq[1], xo);
+                let cb = _mm512_permutexvar_ps(pick, cs[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), cb, acc[r]);
+            }
+        }
+    }
+    if B::HAS_MIN {
+        for (a, m) in acc.iter_mut().zip(macc) {
+            *a = _mm512_add_ps(*a, m);
+        }
+    }
+    let mut out = [[0.0f32; 2]; RP];
+    // Times 1: exact.
+    reduce_pairs(&acc, 1.0, out.as_flattened_mut());
+    out
+}
+
+/// The batched tile of [`gem16`]: [`TILE_ROWS`] rows x [`TILE_PAIRS`] pairs of
+/// tokens (12 registers of accumulators, 8 of interleaved activations, the
+/// row's two of quants). Measured on Zen 5 (1 thread, 256 tokens against Q4_1
+/// rows of 576 and 1536): 3x4 91-96 MAC/ns, 4x3 78-97, 4x4 74-90 (spills the
+/// loop's registers), 2x6, 3x5, 5x3 and 6x2 57-91; the AVX2 tier's 2x6 42-50.
+const TILE_ROWS: usize = 3;
+const TILE_PAIRS: usize = 4;
+/// Row pairs of the decode tile (4 rows: measured as fast as 8, and faster
+/// than 2).
+const DECODE_PAIRS: usize = 2;
+/// Packed weight bytes per panel of the batched path (widened to eight times
+/// that for the tiles, in L2): 24-96 KiB measured alike, 16 KiB slower.
+const PANEL_BYTES: usize = 48 * 1024;
+
+/// [`crate::act16::gemm_q4_1_ref`] and its Q8_0 twin on packed rows against
+/// every row of `acts`. One token: [`DECODE_PAIRS`] pairs of rows per tile.
+/// More: groups of up to `2·TILE_PAIRS` tokens, each walking a panel of rows
+/// [`TILE_ROWS`] at a time. A tile short of rows or tokens repeats the last
+/// one and drops those results.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn gem16<B: Block16x2>(w: F2Rows<'_, B>, acts: &Act16, out: &mut [f32]) {
+    let (n_rows, n_tok) = (w.n_rows, acts.rows());
+    if n_rows == 0 {
+        return;
+    }
+    let last = n_rows - 1;
+    if n_tok == 1 {
+        let tok = acts.row(0);
+        const ROWS: usize = 2 * DECODE_PAIRS;
+        for r0 in (0..n_rows).step_by(ROWS) {
+            let rows =
+                std::array::from_fn(|p| [(r0 + 2 * p).min(last), (r0 + 2 * p + 1).min(last)]);
+            let v = tile_rows::<B, DECODE_PAIRS>(&w, rows, &tok);
+            for (o, v) in out[r0..].iter_mut().zip(v.as_flattened()).take(ROWS) {
+                *o = *v;
+            }
+        }
+        return;
+    }
+    let panel_rows = (PANEL_BYTES / w.row_bytes())
+        .max(1)
+        .next_multiple_of(TILE_ROWS);
+    let (nb, n_chunks, n_pairs) = (w.nb, w.nb.div_ceil(CHUNK), n_tok.div_ceil(2));
+    PAIR_SCRATCH.with_borrow_mut(|sc| {
+        interleave_tokens(acts, sc);
+        for p0 in (0..n_rows).step_by(panel_rows) {
+            let p1 = (p0 + panel_rows).min(n_rows);
+            widen_panel(&w, p0..p1, &mut sc.quants);
+            for g0 in (0..n_pairs).step_by(TILE_PAIRS) {
+                // Pairs g0.. of the group, the last one repeated past the end.
+                let pairs: [usize; TILE_PAIRS] = std::array::from_fn(|p| (g0 + p).min(n_pairs - 1));
+                let acts = pairs.map(|p| &sc.acts[p * nb..(p + 1) * nb]);
+                let scales = pairs.map(|p| &sc.scales[p * n_chunks..(p + 1) * n_chunks]);
+                let (t0, n_t) = (2 * g0, (n_tok - 2 * g0).min(2 * TILE_PAIRS));
+                for r0 in (p0..p1).step_by(TILE_ROWS) {
+                    let rows: [usize; TILE_ROWS] = std::array::from_fn(|r| (r0 + r).min(p1 - 1));
+                    let quants = rows.map(|r| &sc.quants[(r - p0) * nb..(r - p0 + 1) * nb]);
+                    let v = tile_pairs::<B, TILE_ROWS, TILE_PAIRS>(&w, rows, quants, acts, scales);
+                    let n_r = (p1 - r0).min(TILE_ROWS);
+                    for (r, v) in v.iter().enumerate().take(n_r) {
+                        for (t, v) in v.as_flattened().iter().enumerate().take(n_t) {
+                            out[(t0 + t) * n_rows + r0 + r] = *v;
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// [`crate::act16::gemm_q4_1_ref`] and [`crate::act16::gemm_q8_0_ref`] on
+/// packed rows: the table entry.
+pub(super) fn gemm_act16<B: Block16x2>(w: F2Rows<'_, B>, acts: &Act16, out: &mut [f32]) {
+    crate::act16::check_gemm_rows(&w, acts, out.len());
+    // SAFETY: the tier is handed out only after detection (see `super`); the
+    // shapes were checked.
+    unsafe { gem16(w, acts, out) }
+}
+
+/// [`crate::act16::quantize_row_ref`]: the same per-block operations, sixteen
+/// lanes at a time; the block maximum and the non-finite test reduced across
+/// lanes (both are independent of the order), the quants rounded by `cvtps`
+/// (ties to even, as the scalar) and saturated by `vpmovsdw` (as its clamp).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn quant_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
+    let (evens, odds) = (
+        lanes([0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30]),
+        lanes([1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31]),
+    );
+    for (((xb, qb), s), sigma) in x
+        .chunks_exact(QK_ACT16)
+        .zip(q.chunks_exact_mut(QK_ACT16))
+        .zip(scale)
+        .zip(sum)
+    {
+        let xb: &[f32; QK_ACT16] = xb.try_into().unwrap();
+        // SAFETY: `xb` is 32 readable f32s, read as two halves of 16.
+        let v = unsafe {
+            [
+                _mm512_loadu_ps(xb.as_ptr()),
+                _mm512_loadu_ps(xb.as_ptr().add(16)),
+            ]
+        };
+        // `max` returns its second operand for a NaN lane, so NaN is skipped;
+        // `v·0` is ±0 for finite values and NaN otherwise, added to +0.
+        let (mut amax, mut non_finite) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for &v in &v {
+            amax = _mm512_max_ps(_mm512_abs_ps(v), amax);
+            non_finite = _mm512_add_ps(non_finite, _mm512_mul_ps(v, _mm512_setzero_ps()));
+        }
+        let amax = _mm512_reduce_max_ps(amax);
+        let inv = _mm512_set1_ps(if amax > 0.0 { ACT16_MAX / amax } else { 0.0 });
+        let i = v.map(|v| _mm512_cvtps_epi32(_mm512_mul_ps(v, inv)));
+        let stored = [
+            _mm512_permutex2var_epi32(i[0], evens, i[1]),
+            _mm512_permutex2var_epi32(i[0], odds, i[1]),
+        ];
+        for (part, v) in qb.chunks_exact_mut(16).zip(stored) {
+            // SAFETY: `part` is 16 writable i16s (32 bytes); `storeu` is unaligned.
+            unsafe { _mm256_storeu_si256(part.as_mut_ptr().cast(), _mm512_cvtsepi32_epi16(v)) };
+        }
+        let total = _mm512_reduce_add_epi32(_mm512_add_epi32(i[0], i[1]));
+        *s = amax / ACT16_MAX + _mm512_reduce_add_ps(non_finite);
+        *sigma = *s * total as f32;
+    }
+}
+
+/// [`crate::act16::quantize_row_ref`]: the table entry.
+pub(super) fn quantize_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
+    crate::act16::check_quantize(x.len(), q.len(), scale.len(), sum.len());
+    // SAFETY: the tier is handed out only after detection (see `super`).
+    unsafe { quant_act16(x, q, scale, sum) }
+}

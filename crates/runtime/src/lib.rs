@@ -1,0 +1,30 @@
+//! The session runtime that the server, `ds4 chat` and the agent all run on, in
+//! process and without HTTP: a [`Job`] (a rendered, tokenized prompt and its
+//! generation parameters) goes to one of N slots (sessions), is positioned at
+//! the longest reusable prefix (the reuse plan: memory-token, memory-text,
+//! disk-text, none, with the explanation of a miss), prefilled in steps that
+//! yield to decoding slots, and generated under its sampler, stop sequences and
+//! grammar, every busy slot advancing in one batched forward pass per step.
+//! Checkpoints are saved by the store's policy (cold, continued, client
+//! breakpoints, evict, shutdown). Everything it has to say goes out as
+//! [`Event`]s (per job) and [`Notice`]s (for logs, traces and metrics); it
+//! prints nothing.
+
+mod generation;
+mod job;
+mod notice;
+mod persist;
+mod plan;
+mod scheduler;
+mod template;
+mod tool_memory;
+
+pub use job::{
+    tokens_within, CacheSource, Divergence, Event, FinishReason, Gate, Job, JobError, Overflow,
+    SubmitError, TokenLimit, Usage,
+};
+pub use notice::{discard, Finished, Notice, NoticeSink, Planned};
+pub use persist::{model_id, Persist, StoreUsage};
+pub use scheduler::{Runtime, RuntimeConfig, RuntimeHandle, SlotInfo};
+pub use template::template_for;
+pub use tool_memory::{ReplayStats, ToolMemory, SECTION_TOOL_IDS};

@@ -1,0 +1,461 @@
+//! Sessions and the disk checkpoint store: restore the longest saved prefix of a
+//! rendered prompt, the save policy's cut points in a prefill (cold and
+//! continued saves and clients' cache breakpoints cut the prefill where a save
+//! is due; a live session is never rewound to make one), and saves, each
+//! reported as a [`Notice`].
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use ds4_engine::{KvType, Session};
+use ds4_kvstore::{
+    ModelId, Payload, SaveOutcome, SavePolicy, SaveReason, SaveRequest, Store, EXT_TOOL_ID_MAP,
+};
+
+use crate::notice::{Notice, NoticeSink};
+use crate::tool_memory::{ToolMemory, SECTION_TOOL_IDS};
+
+/// What the store holds and what this process's saves did to it (`/metrics`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreUsage {
+    pub files: usize,
+    pub bytes: u64,
+    /// Checkpoints evicted by this process's saves.
+    pub evictions: u64,
+    /// Saves that failed (a full disk, permissions, I/O errors).
+    pub save_failures: u64,
+}
+
+/// What `session`'s checkpoints are filed under: its state fingerprint (the
+/// model's layout, folded with the K/V type and RoPE scaling, so an f16
+/// checkpoint never serves an f32 session nor the reverse), the quantization
+/// and the weights.
+pub fn model_id(session: &Session) -> ModelId {
+    let fp = session.model().fingerprint;
+    ModelId {
+        model_fp: session.state_fingerprint(),
+        quant_fp: fp.quant,
+        weights_fp: fp.weights,
+    }
+}
+
+/// A checkpoint loaded into a session.
+pub struct Restored {
+    /// Bytes of the prompt its text covers.
+    pub covered: usize,
+    pub path: PathBuf,
+}
+
+/// The runtime's link to the store, shared by its slots (which all hold
+/// sessions of one model, K/V type and context).
+pub struct Persist {
+    pub store: Store,
+    model: ModelId,
+    /// Tokens written by successful saves so far (per-request differences feed
+    /// Anthropic's `cache_creation_input_tokens`).
+    saved_tokens: usize,
+    evictions: u64,
+    save_failures: u64,
+    /// Exact tool-call text saved with checkpoints and reloaded on a hit.
+    tool_memory: Option<Arc<ToolMemory>>,
+    /// The sessions' K/V type, and the identity of checkpoints of the other type.
+    kv_type: KvType,
+    other_kv: (KvType, ModelId),
+    notices: NoticeSink,
+}
+
+impl Persist {
+    /// For sessions like `session`.
+    pub fn new(
+        store: Store,
+        session: &Session,
+        tool_memory: Option<Arc<ToolMemory>>,
+        notices: NoticeSink,
+    ) -> Self {
+        let fp = session.model().fingerprint;
+        let other = match session.kv_type() {
+            KvType::F32 => KvType::F16,
+            KvType::F16 => KvType::F32,
+        };
+        let model = model_id(session);
+        Persist {
+            store,
+            model,
+            saved_tokens: 0,
+            evictions: 0,
+            save_failures: 0,
+            tool_memory,
+            kv_type: session.kv_type(),
+            other_kv: (
+                other,
+                ModelId {
+                    // The same RoPE scaling as this session's, so the notice
+                    // names only checkpoints that differ in the K/V type.
+                    model_fp: session
+                        .rope_scaling()
+                        .fold_fingerprint(other.state_fingerprint(&fp)),
+                    ..model
+                },
+            ),
+            notices,
+        }
+    }
+
+    /// Checkpoints shorter than this are neither saved nor loaded.
+    pub fn min_tokens(&self) -> usize {
+        self.policy().min_tokens.max(1)
+    }
+
+    /// Tokens written by successful saves since this was created.
+    pub fn saved_tokens(&self) -> usize {
+        self.saved_tokens
+    }
+
+    /// What the store holds, and what this process's saves did to it.
+    pub fn store_usage(&self) -> StoreUsage {
+        let (files, bytes) = self.store.usage();
+        StoreUsage {
+            files,
+            bytes,
+            evictions: self.evictions,
+            save_failures: self.save_failures,
+        }
+    }
+
+    pub fn policy(&self) -> SavePolicy {
+        *self.store.policy()
+    }
+
+    /// The checkpoint that shares the most of `prompt` without being a prefix of
+    /// it (for explaining a miss); store failures count as none.
+    pub fn nearest_miss(&self, prompt: &[u8], n_ctx: usize) -> Option<ds4_kvstore::NearMiss> {
+        self.store
+            .nearest_miss(prompt, &self.model, n_ctx as u32)
+            .ok()
+            .flatten()
+    }
+
+    /// Loads the longest checkpoint that is a prefix of `prompt` into the (empty)
+    /// session of slot `slot`; `None` on a miss or on any failure, which is
+    /// reported and leaves the session empty.
+    pub fn restore(
+        &mut self,
+        slot: usize,
+        session: &mut Session,
+        prompt: &[u8],
+    ) -> Option<Restored> {
+        let t = Instant::now();
+        let not_restored = |this: &Self, path: Option<PathBuf>, why: String| {
+            (this.notices)(Notice::LoadFailed { path, why });
+            this.drain_store_notices();
+        };
+        let cand = match self
+            .store
+            .lookup(prompt, &self.model, session.n_ctx() as u32)
+        {
+            Ok(Some(c)) if c.header.tokens as usize >= self.policy().min_tokens => c,
+            Ok(_) => {
+                self.explain_miss(prompt, session.n_ctx());
+                return None;
+            }
+            Err(e) => {
+                not_restored(self, None, format!("lookup failed: {e}"));
+                return None;
+            }
+        };
+        let loaded = match self.store.load(&cand, prompt) {
+            Ok(l) => l,
+            Err(e) => {
+                not_restored(self, Some(cand.path.clone()), e.to_string());
+                return None;
+            }
+        };
+        if let Err(e) = session.load_payload(&mut loaded.payload.as_slice()) {
+            not_restored(self, Some(cand.path.clone()), e.to_string());
+            return None;
+        }
+        if session.tokens().len() != loaded.header.tokens as usize {
+            let why = format!(
+                "header says {} tokens, payload holds {}",
+                loaded.header.tokens,
+                session.tokens().len()
+            );
+            session.reset();
+            not_restored(self, Some(cand.path.clone()), why);
+            return None;
+        }
+        if let Some(m) = &self.tool_memory {
+            for s in loaded
+                .sections
+                .iter()
+                .filter(|s| s.kind == SECTION_TOOL_IDS)
+            {
+                m.load_section(&s.bytes);
+            }
+        }
+        (self.notices)(Notice::Restored {
+            slot,
+            tokens: session.tokens().len(),
+            text_bytes: loaded.text.len(),
+            load_ms: t.elapsed().as_secs_f64() * 1e3,
+            path: cand.path.clone(),
+        });
+        Some(Restored {
+            covered: loaded.text.len(),
+            path: cand.path,
+        })
+    }
+
+    /// After a miss: says which checkpoint would have served the prompt and why
+    /// it was not loaded — saved by other weights, before weights were
+    /// recorded, with the other K/V type (its rows were rounded differently),
+    /// another model or a larger context.
+    fn explain_miss(&self, prompt: &[u8], n_ctx: usize) {
+        let Ok(Some((path, h, why))) = self.store.lookup_refused(prompt, &self.model, n_ctx as u32)
+        else {
+            return;
+        };
+        if (h.tokens as usize) < self.policy().min_tokens {
+            return;
+        }
+        let (other, id) = self.other_kv;
+        let why = if h.model.model_fp == id.model_fp {
+            format!(
+                "saved with {other} K/V, this session stores {} (--kv-type)",
+                self.kv_type
+            )
+        } else {
+            format!("its text is a prefix of the prompt, but {why}")
+        };
+        (self.notices)(Notice::Skipped {
+            path,
+            tokens: h.tokens as usize,
+            why,
+        });
+    }
+
+    /// Reports a restored checkpoint that is not used after all: its tokens read
+    /// the prompt's text with control tokens elsewhere (special-token text
+    /// typed in content).
+    pub fn refuse(&self, path: &std::path::Path) {
+        (self.notices)(Notice::LoadFailed {
+            path: Some(path.to_path_buf()),
+            why: "its tokens read the prompt's text with control tokens elsewhere \
+                  (special-token text typed in content)"
+                .into(),
+        });
+    }
+
+    /// Where a prefill of `n_new` tokens onto a session holding `start` must stop
+    /// for a save, in order: a cold save of a first prompt (`cold_prompt`,
+    /// nothing reused), a client's cache breakpoint (`hints`: prompt token
+    /// counts, trimmed and aligned like a cold save), a continued save past
+    /// `frontier` (the last one made).
+    pub fn cuts(
+        &self,
+        start: usize,
+        n_new: usize,
+        cold_prompt: bool,
+        hints: &[usize],
+        frontier: usize,
+    ) -> Vec<(usize, SaveReason)> {
+        let policy = self.policy();
+        let end = start + n_new;
+        let mut cuts: Vec<(usize, SaveReason)> = Vec::new();
+        if cold_prompt && start == 0 {
+            if let Some(c) = policy.cold_save_len(n_new) {
+                cuts.push((c, SaveReason::Cold));
+            }
+        }
+        for &h in hints {
+            if let Some(at) = policy.cold_save_len(h) {
+                if at > start && at <= end && !cuts.iter().any(|&(c, _)| c == at) {
+                    cuts.push((at, SaveReason::ClientHint));
+                }
+            }
+        }
+        let mut f = frontier;
+        while let Some(next) = policy.next_continued_frontier(f) {
+            if next > end {
+                break;
+            }
+            if next > start && !cuts.iter().any(|&(c, _)| c == next) {
+                cuts.push((next, SaveReason::Continued));
+            }
+            f = next;
+        }
+        cuts.sort_by_key(|&(at, _)| at);
+        cuts
+    }
+
+    /// Whether a session of `len` tokens, after a decode step, has just reached
+    /// a continued-save frontier past `frontier`.
+    pub fn continued_due(&self, frontier: usize, len: usize) -> bool {
+        self.policy().continued_frontier(frontier, len) == Some(len)
+    }
+
+    /// Saves the whole session of slot `slot` under `reason` if it is long
+    /// enough; the file written, if one was. Failures (full disk, permissions)
+    /// are reported and otherwise ignored.
+    pub fn save(&mut self, slot: usize, session: &Session, reason: SaveReason) -> Option<PathBuf> {
+        let n = session.tokens().len();
+        if n < self.policy().min_tokens.max(1) {
+            return None;
+        }
+        let t = Instant::now();
+        let text = session.model().tokenizer.prompt_text(session.tokens());
+        let sections: Vec<_> = self
+            .tool_memory
+            .as_ref()
+            .and_then(|m| m.section_for(&String::from_utf8_lossy(&text)))
+            .into_iter()
+            .collect();
+        let mut write = |w: &mut dyn std::io::Write| {
+            let mut w = std::io::BufWriter::with_capacity(1 << 20, w);
+            session.save_payload(&mut w).map_err(std::io::Error::other)
+        };
+        let req = SaveRequest {
+            text: &text,
+            payload: Payload::Stream {
+                estimated_bytes: session.payload_bytes(),
+                write: &mut write,
+            },
+            reason,
+            tokens: n as u32,
+            n_ctx: session.n_ctx() as u32,
+            model: self.model,
+            ext_flags: if sections.is_empty() {
+                0
+            } else {
+                EXT_TOOL_ID_MAP
+            },
+            sections: &sections,
+        };
+        let saved = match self.store.save(req) {
+            Ok(SaveOutcome::Saved {
+                file_bytes, path, ..
+            }) => {
+                self.saved_tokens += n;
+                (self.notices)(Notice::Saved {
+                    slot,
+                    tokens: n,
+                    reason,
+                    file_bytes,
+                    save_ms: t.elapsed().as_secs_f64() * 1e3,
+                    path: path.clone(),
+                });
+                Some(path)
+            }
+            Ok(SaveOutcome::Kept { .. }) => None,
+            Ok(SaveOutcome::Skipped(why)) => {
+                (self.notices)(Notice::SaveSkipped {
+                    slot,
+                    tokens: n,
+                    why: format!("{why:?}"),
+                });
+                None
+            }
+            Err(e) => {
+                self.save_failures += 1;
+                (self.notices)(Notice::SaveFailed {
+                    slot,
+                    tokens: n,
+                    reason,
+                    error: e.to_string(),
+                });
+                None
+            }
+        };
+        self.evictions += self.drain_store_notices();
+        saved
+    }
+
+    /// Hands the store's pending notices on; returns how many were evictions.
+    fn drain_store_notices(&self) -> u64 {
+        let mut evictions = 0;
+        for n in self.store.drain_notices() {
+            evictions += u64::from(matches!(n, ds4_kvstore::Notice::Evicted(_)));
+            (self.notices)(Notice::Store(n.to_string()));
+        }
+        evictions
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use ds4_engine::{Model, Precision, SessionOptions, ThreadPool};
+    use ds4_kvstore::{SaveReason, StoreConfig};
+
+    use super::*;
+
+    fn session(model: &Arc<Model>, kv_type: KvType) -> Session {
+        let opts = SessionOptions {
+            n_ctx: 1024,
+            prefill_chunk: 256,
+            precision: Precision::Fast,
+            kv_type,
+        };
+        Session::new(Arc::clone(model), Arc::new(ThreadPool::new(1)), &opts)
+    }
+
+    /// A checkpoint saved by an f16 session is skipped (with a notice) by an f32
+    /// session's restore, which starts cold; and the reverse; a session of the
+    /// saving type restores it.
+    #[test]
+    fn checkpoints_of_the_other_kv_type_are_skipped() {
+        let model = Arc::new(
+            Model::load(ds4_testdata::model_path(ds4_testdata::SMOLLM2)).expect("loading SmolLM2"),
+        );
+        let text = "The quick brown fox jumps over the lazy dog. ".repeat(70);
+        let ids = model.tokenizer.encode(&text, true, true);
+        assert!(ids.len() >= 600, "{} tokens", ids.len());
+        for saver in [KvType::F16, KvType::F32] {
+            let dir = std::env::temp_dir()
+                .join(format!("ds4-persist-kvtype-{}-{saver}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            let skips = Arc::new(Mutex::new(0));
+            let counter = Arc::clone(&skips);
+            let notices: NoticeSink = Arc::new(move |n| {
+                if matches!(n, Notice::Skipped { .. }) {
+                    *counter.lock().unwrap() += 1;
+                }
+            });
+            let open = || Store::open(&dir, StoreConfig::default()).unwrap();
+            let mut s = session(&model, saver);
+            s.prefill(&ids).unwrap();
+            let mut p = Persist::new(open(), &s, None, Arc::clone(&notices));
+            assert!(p.save(0, &s, SaveReason::Shutdown).is_some(), "{saver}");
+            assert_eq!(p.store_usage().files, 1, "{saver}: saved");
+            let prompt = model.tokenizer.prompt_text(s.tokens());
+
+            let other = if saver == KvType::F16 {
+                KvType::F32
+            } else {
+                KvType::F16
+            };
+            let mut o = session(&model, other);
+            let mut po = Persist::new(open(), &o, None, Arc::clone(&notices));
+            assert!(
+                po.restore(0, &mut o, &prompt).is_none(),
+                "{saver} into {other}"
+            );
+            assert!(o.tokens().is_empty());
+            assert_eq!(*skips.lock().unwrap(), 1, "{saver} into {other}");
+
+            let mut same = session(&model, saver);
+            let mut ps = Persist::new(open(), &same, None, Arc::clone(&notices));
+            let restored = ps.restore(0, &mut same, &prompt).expect("restored");
+            assert_eq!(restored.covered, prompt.len());
+            assert_eq!(same.tokens(), s.tokens());
+            assert_eq!(
+                *skips.lock().unwrap(),
+                1,
+                "{saver}: no skip of its own type"
+            );
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+}

@@ -1,0 +1,893 @@
+//! The slots and their scheduler: one engine thread owns N sessions (slots),
+//! gives each queued job a slot, and advances every busy slot in one forward
+//! pass per step over the multi-sequence interface (`ds4_engine::Batch`: each
+//! weight matrix read once for all rows). A decoding slot feeds one token per
+//! step; a prefilling slot feeds a quantum of its prompt while others decode
+//! (so a long cold prompt never stalls another slot's stream for more than one
+//! quantum), or a whole chunk when nothing decodes. Each sequence's results are
+//! bitwise what it gets alone, so batching never changes an answer.
+//!
+//! Slot choice for a job, among idle slots: the one holding the longest
+//! reusable prefix of it (tokens, then rendered text); else one that ran a job
+//! with one of its affinity keys (the conversation it continues); else the
+//! least valuable one (empty first, then the fewest tokens, the longest idle),
+//! whose state is saved first (reason `evict`) when it is worth keeping. With
+//! every slot busy, jobs wait in a bounded queue, first come first served.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Instant;
+
+use ds4_engine::{Batch, EngineError, Sampler, Session, ThreadPool};
+use ds4_kvstore::SaveReason;
+
+use crate::generation::{Generation, Next};
+use crate::job::{Event, FinishReason, Job, JobError, SubmitError, Usage};
+use crate::notice::{Finished, Notice, NoticeSink, Planned};
+use crate::persist::{Persist, StoreUsage};
+use crate::plan::{plan, Held, Plan};
+
+/// Reusable tokens that make a slot the place for a job even when the job
+/// replaces the rest of what it holds (a shared system prompt and tool list,
+/// not a chance common start).
+const REUSE_MIN_TOKENS: usize = 64;
+/// Affinity keys a slot remembers.
+const MAX_SLOT_KEYS: usize = 64;
+
+/// How the runtime runs.
+#[derive(Clone, Debug)]
+pub struct RuntimeConfig {
+    /// Tokens a prefilling slot feeds per step while another slot decodes.
+    pub prefill_quantum: usize,
+    /// Jobs that may wait for a slot when every slot is busy; past it
+    /// `submit` refuses ([`SubmitError::QueueFull`]).
+    pub queue_max: usize,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig {
+            prefill_quantum: 128,
+            queue_max: 64,
+        }
+    }
+}
+
+/// What a slot is doing, for `/slots` and `/metrics`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlotInfo {
+    pub id: usize,
+    pub busy: bool,
+    /// Tokens its session holds.
+    pub tokens: usize,
+    pub n_ctx: usize,
+    /// SHA-1 of the text its tokens stand for (what checkpoints are named by).
+    pub text_sha1: [u8; 20],
+    /// Seconds since its last job ended (0 while busy).
+    pub idle_s: f64,
+    /// Bytes its state holds in memory.
+    pub state_bytes: u64,
+}
+
+struct Shared {
+    stopping: AtomicBool,
+    /// Jobs waiting or running.
+    depth: AtomicUsize,
+    /// The most jobs waiting or running: the slots plus the queue.
+    capacity: usize,
+    slots: Mutex<Vec<(SlotInfo, Instant)>>,
+    /// Affinity keys learned after a job (the ids of the tool calls it
+    /// returned), for the engine to add to the slot that ran it.
+    tags: Mutex<Vec<(usize, Vec<String>)>>,
+    /// The store's usage after the last job or save.
+    store: Mutex<Option<StoreUsage>>,
+}
+
+/// Submits jobs to the runtime; cheap to clone.
+#[derive(Clone)]
+pub struct RuntimeHandle {
+    tx: mpsc::SyncSender<(Job, Instant)>,
+    shared: Arc<Shared>,
+}
+
+impl RuntimeHandle {
+    /// Queues `job`; its events arrive on its channel.
+    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        if self.shared.stopping.load(Ordering::Acquire) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        let taken = self.shared.depth.fetch_add(1, Ordering::AcqRel);
+        if taken >= self.shared.capacity {
+            self.shared.depth.fetch_sub(1, Ordering::AcqRel);
+            return Err(SubmitError::QueueFull);
+        }
+        match self.tx.try_send((job, Instant::now())) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.shared.depth.fetch_sub(1, Ordering::AcqRel);
+                Err(match e {
+                    mpsc::TrySendError::Full(_) => SubmitError::QueueFull,
+                    mpsc::TrySendError::Disconnected(_) => SubmitError::ShuttingDown,
+                })
+            }
+        }
+    }
+
+    /// Jobs waiting or running.
+    pub fn queue_depth(&self) -> usize {
+        self.shared.depth.load(Ordering::Acquire)
+    }
+
+    /// Every slot's state now.
+    pub fn slots(&self) -> Vec<SlotInfo> {
+        let slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
+        slots
+            .iter()
+            .map(|(info, used)| SlotInfo {
+                idle_s: if info.busy {
+                    0.0
+                } else {
+                    used.elapsed().as_secs_f64()
+                },
+                ..info.clone()
+            })
+            .collect()
+    }
+
+    /// Adds affinity keys to slot `slot` (a conversation's next request will
+    /// name them: the ids of tool calls it returned).
+    pub fn tag(&self, slot: usize, keys: Vec<String>) {
+        if !keys.is_empty() {
+            let mut tags = self.shared.tags.lock().unwrap_or_else(|e| e.into_inner());
+            tags.push((slot, keys));
+        }
+    }
+
+    /// The checkpoint store's files, bytes, evictions and failed saves, as of
+    /// the last job (`None` without a store).
+    pub fn store_usage(&self) -> Option<StoreUsage> {
+        *self.shared.store.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stops new jobs; running ones end at their next token, waiting ones are
+    /// cancelled.
+    pub fn begin_shutdown(&self) {
+        self.shared.stopping.store(true, Ordering::Release);
+    }
+}
+
+/// The engine thread; `join` waits for it to finish and save.
+pub struct Runtime {
+    pub handle: RuntimeHandle,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Runtime {
+    /// Starts the engine thread on `sessions` (the slots: sessions of one model,
+    /// one context size), with `persist` for disk checkpoints.
+    ///
+    /// # Panics
+    /// When `sessions` is empty.
+    pub fn start(
+        sessions: Vec<Session>,
+        pool: Arc<ThreadPool>,
+        persist: Option<Persist>,
+        cfg: RuntimeConfig,
+        notices: NoticeSink,
+    ) -> Self {
+        assert!(!sessions.is_empty(), "a runtime needs at least one slot");
+        let model = Arc::clone(sessions[0].model());
+        let max_step = sessions.iter().map(Session::max_step).max().unwrap_or(1);
+        let batch = Batch::new(model, pool, sessions.len() * max_step);
+        let capacity = sessions.len() + cfg.queue_max;
+        let (tx, rx) = mpsc::sync_channel(capacity);
+        let now = Instant::now();
+        let shared = Arc::new(Shared {
+            stopping: AtomicBool::new(false),
+            depth: AtomicUsize::new(0),
+            capacity,
+            slots: Mutex::new(
+                sessions
+                    .iter()
+                    .enumerate()
+                    .map(|(id, s)| (slot_info(id, s, false), now))
+                    .collect(),
+            ),
+            tags: Mutex::new(Vec::new()),
+            store: Mutex::new(persist.as_ref().map(Persist::store_usage)),
+        });
+        let handle = RuntimeHandle {
+            tx,
+            shared: Arc::clone(&shared),
+        };
+        let slots = sessions
+            .into_iter()
+            .enumerate()
+            .map(|(id, session)| Slot {
+                id,
+                session,
+                run: None,
+                keys: VecDeque::new(),
+                frontier: 0,
+                last_used: now,
+            })
+            .collect();
+        let thread = std::thread::Builder::new()
+            .name("ds4-engine".into())
+            .spawn(move || {
+                let mut engine = Engine {
+                    slots,
+                    batch,
+                    persist,
+                    waiting: VecDeque::new(),
+                    shared,
+                    notices,
+                    quantum: cfg.prefill_quantum.max(1),
+                };
+                engine.run(rx);
+            })
+            .expect("spawning the engine thread");
+        Runtime { handle, thread }
+    }
+
+    /// Waits for the engine to drain (after every handle is dropped) and save.
+    pub fn join(self) {
+        let Runtime { handle, thread } = self;
+        drop(handle);
+        let _ = thread.join();
+    }
+}
+
+fn slot_info(id: usize, s: &Session, busy: bool) -> SlotInfo {
+    SlotInfo {
+        id,
+        busy,
+        tokens: s.tokens().len(),
+        n_ctx: s.n_ctx(),
+        text_sha1: ds4_kvstore::text_hash(&s.model().tokenizer.prompt_text(s.tokens())),
+        idle_s: 0.0,
+        state_bytes: s.state_memory_bytes(),
+    }
+}
+
+struct Slot {
+    id: usize,
+    session: Session,
+    run: Option<Box<Run>>,
+    /// Affinity keys of the jobs it ran, newest last.
+    keys: VecDeque<String>,
+    /// The session's last continued-save frontier.
+    frontier: usize,
+    last_used: Instant,
+}
+
+/// A job on a slot.
+struct Run {
+    job: Job,
+    plan: Plan,
+    /// Save points left in the prefill, in order.
+    cuts: VecDeque<(usize, SaveReason)>,
+    max_tokens: usize,
+    /// Set once the prefill is done.
+    gen: Option<Generation>,
+    /// The token the next step feeds, and whether the job ends after it.
+    pending: Option<(u32, Option<FinishReason>)>,
+    queue_s: f64,
+    started: Instant,
+    prefill_s: f64,
+    saved_before: usize,
+}
+
+impl Run {
+    fn usage(&self, slot: usize, checkpointed: usize) -> Usage {
+        Usage {
+            prompt_tokens: self.plan.ids.len(),
+            cached_tokens: self.plan.reused,
+            checkpointed_tokens: checkpointed,
+            completion_tokens: self.gen.as_ref().map_or(0, |g| g.generated),
+            cache_source: self.plan.source,
+            miss: self.plan.miss.clone(),
+            slot,
+            queue_s: self.queue_s,
+        }
+    }
+
+    fn cancelled(&self, stopping: bool) -> bool {
+        stopping || self.job.events.is_closed()
+    }
+}
+
+struct Engine {
+    slots: Vec<Slot>,
+    batch: Batch,
+    persist: Option<Persist>,
+    waiting: VecDeque<(Job, Instant)>,
+    shared: Arc<Shared>,
+    notices: NoticeSink,
+    quantum: usize,
+}
+
+/// The slot a job goes to, and the slot whose state it starts from when that
+/// is another one.
+#[derive(Clone, Copy, Debug)]
+struct Choice {
+    slot: usize,
+    fork_from: Option<usize>,
+    /// Save the slot's state first: the job replaces or cuts back a
+    /// conversation whatever memory offers it.
+    save_first: bool,
+}
+
+/// What one slot feeds in a step.
+enum Feed {
+    /// Prompt tokens `from..to` of its plan.
+    Prefill(usize, usize),
+    /// The token it chose last step.
+    Decode(u32),
+}
+
+impl Engine {
+    fn run(&mut self, rx: mpsc::Receiver<(Job, Instant)>) {
+        loop {
+            let idle = self.slots.iter().all(|s| s.run.is_none()) && self.waiting.is_empty();
+            if idle {
+                match rx.recv() {
+                    Ok(j) => self.waiting.push_back(j),
+                    Err(_) => break,
+                }
+            }
+            while let Ok(j) = rx.try_recv() {
+                self.waiting.push_back(j);
+            }
+            if self.shared.stopping.load(Ordering::Acquire) {
+                while let Some((job, _)) = self.waiting.pop_front() {
+                    let _ = job.events.blocking_send(Event::Failed(JobError::Cancelled));
+                    self.shared.depth.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+            self.apply_tags();
+            self.assign_waiting();
+            if self.slots.iter().any(|s| s.run.is_some()) {
+                self.step();
+            }
+        }
+        for i in 0..self.slots.len() {
+            let slot = &self.slots[i];
+            if let Some(p) = &mut self.persist {
+                p.save(slot.id, &slot.session, SaveReason::Shutdown);
+            }
+        }
+    }
+
+    /// Adds the keys handed in by [`RuntimeHandle::tag`] to their slots.
+    fn apply_tags(&mut self) {
+        let tags = std::mem::take(&mut *self.shared.tags.lock().unwrap_or_else(|e| e.into_inner()));
+        for (slot, keys) in tags {
+            if let Some(s) = self.slots.get_mut(slot) {
+                remember_keys(s, keys);
+            }
+        }
+    }
+
+    /// Gives waiting jobs idle slots, first come first served.
+    fn assign_waiting(&mut self) {
+        while let Some((job, _)) = self.waiting.front() {
+            let Some(choice) = self.choose(job) else {
+                return;
+            };
+            let (job, queued) = self.waiting.pop_front().expect("a waiting job");
+            self.prepare_slot(choice);
+            self.start_job(choice.slot, job, queued);
+        }
+    }
+
+    /// The idle slot for `job`, if any is idle, in this order:
+    /// 1. one whose whole state is a prefix of the job (it continues there),
+    ///    the longest;
+    /// 2. one that ran a job with one of its affinity keys;
+    /// 3. one that shares a prefix worth having ([`REUSE_MIN_TOKENS`], or half
+    ///    of a shorter request) but holds more: its state is copied into the least valuable other idle slot
+    ///    and cut back there, so the conversation it holds stays live — when
+    ///    that slot holds less than the cut would lose; otherwise it is cut
+    ///    back itself, saved first;
+    /// 4. the least valuable one: empty first, then the fewest tokens, the
+    ///    longest idle.
+    fn choose(&self, job: &Job) -> Option<Choice> {
+        let idle = || self.slots.iter().filter(|s| s.run.is_none());
+        idle().next()?;
+        let reuse = |s: &Slot| {
+            let reused = Held::of(&s.session, &job.ids).tokens(&s.session);
+            (reused, s.session.tokens().len() - reused)
+        };
+        let least_valuable = |except: Option<usize>| {
+            idle()
+                .filter(|s| Some(s.id) != except)
+                .min_by_key(|s| (s.session.tokens().len(), s.last_used))
+                .map(|s| s.id)
+        };
+        let at = |slot| Choice {
+            slot,
+            fork_from: None,
+            save_first: false,
+        };
+        if let Some((_, s)) = idle()
+            .map(|s| (reuse(s), s))
+            .filter(|&((reused, lost), _)| reused > 0 && lost == 0)
+            .max_by_key(|&((reused, _), s)| (reused, std::cmp::Reverse(s.id)))
+        {
+            return Some(at(s.id));
+        }
+        if let Some(s) = idle().find(|s| job.affinity.iter().any(|k| s.keys.contains(k))) {
+            return Some(at(s.id));
+        }
+        if let Some((lost, s)) = idle()
+            .map(|s| (reuse(s), s))
+            .filter(|&((reused, _), _)| {
+                reused >= REUSE_MIN_TOKENS.min(job.ids.len().div_ceil(2)).max(1)
+            })
+            .max_by_key(|&((reused, _), s)| (reused, std::cmp::Reverse(s.id)))
+            .map(|((_, lost), s)| (lost, s))
+        {
+            // Fork when what the cut would lose is worth more than what the
+            // copy replaces.
+            let fork_to =
+                least_valuable(Some(s.id)).filter(|&o| self.slots[o].session.tokens().len() < lost);
+            return Some(match fork_to {
+                Some(other) => Choice {
+                    slot: other,
+                    fork_from: Some(s.id),
+                    save_first: true,
+                },
+                None => Choice {
+                    save_first: true,
+                    ..at(s.id)
+                },
+            });
+        }
+        least_valuable(None).map(at)
+    }
+
+    /// Before a job takes a slot: the state the choice replaces or cuts back is
+    /// saved (reason `evict`; `Persist::save` skips one too short to keep),
+    /// and a fork copies the source slot's state in.
+    fn prepare_slot(&mut self, c: Choice) {
+        if c.save_first {
+            if let Some(p) = &mut self.persist {
+                let t = &self.slots[c.slot];
+                p.save(t.id, &t.session, SaveReason::Evict);
+            }
+        }
+        if let Some(from) = c.fork_from {
+            self.copy_state(from, c.slot);
+        }
+    }
+
+    /// Copies slot `from`'s session state into slot `to`.
+    fn copy_state(&mut self, from: usize, to: usize) {
+        let (snap, frontier) = (
+            self.slots[from].session.snapshot(),
+            self.slots[from].frontier,
+        );
+        let target = &mut self.slots[to];
+        match snap.and_then(|snap| target.session.restore(&snap)) {
+            Ok(()) => target.frontier = frontier,
+            Err(e) => {
+                target.session.reset();
+                (self.notices)(Notice::Store(format!(
+                    "slot {to}: copying slot {from}'s state failed: {e}"
+                )));
+            }
+        }
+    }
+
+    /// Plans `job` on slot `i` and starts its prefill.
+    fn start_job(&mut self, i: usize, mut job: Job, queued: Instant) {
+        let queue_s = queued.elapsed().as_secs_f64();
+        let started = Instant::now();
+        let slot = &mut self.slots[i];
+        remember_keys(slot, std::mem::take(&mut job.affinity));
+        let fail = |this: &mut Self, job: Job, e: JobError| {
+            (this.notices)(Notice::Refused {
+                job: job.id.clone(),
+                route: job.route.clone(),
+                prompt: job.prompt.clone(),
+                error: e.to_string(),
+            });
+            let _ = job.events.blocking_send(Event::Failed(e));
+            this.shared.depth.fetch_sub(1, Ordering::AcqRel);
+        };
+        if job.prompt.is_empty() || job.ids.is_empty() {
+            return fail(self, job, JobError::EmptyPrompt);
+        }
+        let saved_before = self.persist.as_ref().map_or(0, Persist::saved_tokens);
+        let ids = std::mem::take(&mut job.ids);
+        let plan = plan(
+            slot.id,
+            &mut slot.session,
+            self.persist.as_mut(),
+            &job.prompt,
+            ids,
+        );
+        if plan.source == crate::job::CacheSource::DiskText {
+            slot.frontier = slot.session.tokens().len();
+        } else if plan.reused == 0 {
+            slot.frontier = 0;
+        }
+        let max_tokens = match job.limit.allowed(plan.ids.len(), slot.session.n_ctx()) {
+            Ok(m) => m,
+            Err(o) => return fail(self, job, JobError::ContextLength(o)),
+        };
+        // Memory reuse may need the session cut back to the shared prefix (a
+        // rewind recomputes one token; `plan` checked that it can).
+        if slot.session.tokens().len() > plan.reused {
+            if let Err(e) = slot.session.rewind(plan.reused) {
+                return fail(self, job, engine(e));
+            }
+        }
+        (self.notices)(Notice::Planned(Box::new(Planned {
+            job: job.id.clone(),
+            slot: slot.id,
+            source: plan.source,
+            reused: plan.reused,
+            prompt_tokens: plan.ids.len(),
+            checkpoint: plan.checkpoint.clone(),
+            miss: plan.miss.clone(),
+            queue_s,
+        })));
+        if job.events.is_closed() {
+            // The client left while the job was queued: skip the prefill.
+            self.shared.depth.fetch_sub(1, Ordering::AcqRel);
+            return;
+        }
+        let hints: Vec<usize> = match &self.persist {
+            Some(_) => {
+                let tok = &slot.session.model().tokenizer;
+                job.breakpoints
+                    .iter()
+                    .map(|&b| {
+                        crate::job::tokens_within(&plan.ids, b, |i, id| {
+                            tok.prompt_piece(i, id).len()
+                        })
+                    })
+                    .collect()
+            }
+            None => vec![],
+        };
+        let start = slot.session.tokens().len();
+        let cuts = match &self.persist {
+            Some(p) => p.cuts(
+                start,
+                plan.ids.len() - start,
+                plan.source == crate::job::CacheSource::None,
+                &hints,
+                slot.frontier,
+            ),
+            None => vec![],
+        };
+        let run = Box::new(Run {
+            job,
+            plan,
+            cuts: cuts.into(),
+            max_tokens,
+            gen: None,
+            pending: None,
+            queue_s,
+            started,
+            prefill_s: 0.0,
+            saved_before,
+        });
+        let _ = run
+            .job
+            .events
+            .blocking_send(Event::Started(run.usage(slot.id, 0)));
+        let ready = slot.session.tokens().len() == run.plan.ids.len();
+        slot.run = Some(run);
+        self.publish(i);
+        if ready {
+            // Memory held the whole prompt: nothing to prefill.
+            self.begin_generation(i);
+        }
+    }
+
+    /// One forward pass over every busy slot, then what each does with it.
+    fn step(&mut self) {
+        let stopping = self.shared.stopping.load(Ordering::Acquire);
+        for i in 0..self.slots.len() {
+            let cancel = self.slots[i]
+                .run
+                .as_ref()
+                .is_some_and(|r| r.cancelled(stopping));
+            if cancel {
+                self.finish(i, FinishReason::Cancelled, None);
+            }
+        }
+        let decoding = self
+            .slots
+            .iter()
+            .any(|s| s.run.as_ref().is_some_and(|r| r.pending.is_some()));
+        let mut rows_left = self.batch.max_rows();
+        let mut feeds: Vec<(usize, Feed)> = Vec::new();
+        for s in &self.slots {
+            let Some(r) = &s.run else { continue };
+            if let Some((t, _)) = r.pending {
+                feeds.push((s.id, Feed::Decode(t)));
+                rows_left -= 1;
+            }
+        }
+        for s in &self.slots {
+            let Some(r) = s.run.as_ref().filter(|r| r.pending.is_none()) else {
+                continue;
+            };
+            let from = s.session.tokens().len();
+            let to_cut = r.cuts.front().map_or(r.plan.ids.len(), |c| c.0);
+            let budget = if decoding {
+                self.quantum
+            } else {
+                s.session.max_step()
+            };
+            let n = (to_cut - from)
+                .min(budget)
+                .min(s.session.max_step())
+                .min(rows_left);
+            if n > 0 {
+                feeds.push((s.id, Feed::Prefill(from, from + n)));
+                rows_left -= n;
+            }
+        }
+        if feeds.is_empty() {
+            return;
+        }
+        let t = Instant::now();
+        let result = {
+            let mut steps: Vec<(&mut Session, &[u32])> = Vec::with_capacity(feeds.len());
+            let mut slots: Vec<Option<&mut Slot>> = self.slots.iter_mut().map(Some).collect();
+            let singles: Vec<[u32; 1]> = feeds
+                .iter()
+                .map(|(_, f)| match f {
+                    Feed::Decode(t) => [*t],
+                    Feed::Prefill(..) => [0],
+                })
+                .collect();
+            for ((i, f), single) in feeds.iter().zip(&singles) {
+                let Some(slot) = slots[*i].take() else {
+                    continue;
+                };
+                let Slot { session, run, .. } = slot;
+                let Some(run) = run.as_deref() else { continue };
+                let tokens: &[u32] = match f {
+                    Feed::Decode(_) => single,
+                    Feed::Prefill(a, b) => &run.plan.ids[*a..*b],
+                };
+                steps.push((session, tokens));
+            }
+            self.batch.forward(&mut steps)
+        };
+        let elapsed = t.elapsed().as_secs_f64();
+        if let Err(e) = result {
+            for (i, _) in &feeds {
+                self.finish(*i, FinishReason::Stop, Some(e.to_string()));
+            }
+            return;
+        }
+        for (i, f) in feeds {
+            match f {
+                Feed::Prefill(..) => self.after_prefill(i, elapsed),
+                Feed::Decode(_) => self.after_decode(i),
+            }
+        }
+    }
+
+    /// A slot fed prompt tokens: a save where one is due; at the prompt's end,
+    /// its first token.
+    fn after_prefill(&mut self, i: usize, elapsed: f64) {
+        let slot = &mut self.slots[i];
+        let Some(run) = slot.run.as_deref_mut() else {
+            return;
+        };
+        run.prefill_s += elapsed;
+        let len = slot.session.tokens().len();
+        let _ = run.job.events.try_send(Event::Progress {
+            prefilled: len - run.plan.reused,
+            total: run.plan.ids.len() - run.plan.reused,
+        });
+        if let Some(&(at, reason)) = run.cuts.front() {
+            if at == len {
+                run.cuts.pop_front();
+                if let Some(p) = &mut self.persist {
+                    p.save(slot.id, &slot.session, reason);
+                }
+                if reason == SaveReason::Continued {
+                    slot.frontier = at;
+                }
+            }
+        }
+        if len == run.plan.ids.len() {
+            self.begin_generation(i);
+        }
+    }
+
+    /// Slot `i`'s prompt is all in its session: its generation starts with the
+    /// first token.
+    fn begin_generation(&mut self, i: usize) {
+        let Some(run) = self.slots[i].run.as_deref_mut() else {
+            return;
+        };
+        let job = &mut run.job;
+        run.gen = Some(Generation::new(
+            Sampler::new(job.sampling.clone()),
+            job.stop.clone(),
+            job.gate.take(),
+            job.limit,
+            run.max_tokens,
+        ));
+        self.choose_next(i);
+    }
+
+    /// A slot fed the token it chose: a continued save where one is due, then
+    /// the next token, or the end of the job.
+    fn after_decode(&mut self, i: usize) {
+        let slot = &mut self.slots[i];
+        let Some(run) = slot.run.as_deref_mut() else {
+            return;
+        };
+        let len = slot.session.tokens().len();
+        if let Some(p) = &mut self.persist {
+            if p.continued_due(slot.frontier, len) {
+                p.save(slot.id, &slot.session, SaveReason::Continued);
+                slot.frontier = len;
+            }
+        }
+        if let Some((_, Some(finish))) = run.pending.take() {
+            self.finish(i, finish, None);
+            return;
+        }
+        self.choose_next(i);
+    }
+
+    /// Samples slot `i`'s next token from its logits.
+    fn choose_next(&mut self, i: usize) {
+        let slot = &mut self.slots[i];
+        let Some(run) = slot.run.as_deref_mut() else {
+            return;
+        };
+        let model = Arc::clone(slot.session.model());
+        let next = match (slot.session.logits(), run.gen.as_mut()) {
+            (Ok(logits), Some(g)) => g.step(logits, &model.tokenizer, &run.job.events),
+            (Err(e), _) => {
+                let e = e.to_string();
+                return self.finish(i, FinishReason::Stop, Some(e));
+            }
+            (_, None) => return,
+        };
+        match next {
+            Next::Feed(t) => run.pending = Some((t, None)),
+            Next::FeedAndFinish(t, f) => {
+                if slot.session.tokens().len() < slot.session.n_ctx() {
+                    run.pending = Some((t, Some(f)));
+                } else {
+                    self.finish(i, f, None);
+                }
+            }
+            Next::Finish(f) => self.finish(i, f, None),
+        }
+    }
+
+    /// Ends slot `i`'s job: what was held back, `Done` (or `Failed` when it
+    /// never started generating), its notice; the slot becomes idle.
+    fn finish(&mut self, i: usize, finish: FinishReason, error: Option<String>) {
+        let slot = &mut self.slots[i];
+        let Some(mut run) = slot.run.take() else {
+            return;
+        };
+        slot.last_used = Instant::now();
+        let checkpointed = self
+            .persist
+            .as_ref()
+            .map_or(0, |p| p.saved_tokens() - run.saved_before);
+        let events = run.job.events.clone();
+        let decode_s = run
+            .gen
+            .as_ref()
+            .map_or(0.0, |g| g.started.elapsed().as_secs_f64());
+        if run.prefill_s == 0.0 && run.gen.is_none() {
+            run.prefill_s = run.started.elapsed().as_secs_f64();
+        }
+        // What was held back goes out first; the notice, the slot's state and
+        // the depth are settled before the client hears the end, so whoever
+        // reads metrics or `/slots` after a response sees it counted.
+        if let (Some(g), None) = (&mut run.gen, &error) {
+            g.finish(finish, &events);
+        }
+        let (generated, text, grammar, dropped, wound, mask_s) = match &run.gen {
+            Some(g) => (
+                g.generated,
+                g.output.clone(),
+                g.guard.gate.as_ref().map(|gate| {
+                    if gate.trigger.is_some() && !g.guard.active {
+                        "lazy-unused"
+                    } else {
+                        "held"
+                    }
+                }),
+                g.guard.dropped.clone(),
+                g.guard.winding_down,
+                g.guard.mask_s,
+            ),
+            None => (0, String::new(), None, None, false, 0.0),
+        };
+        let last = match (run.gen.is_some(), &error) {
+            (_, Some(e)) => Event::Failed(JobError::Engine(e.clone())),
+            (false, None) => Event::Failed(JobError::Cancelled),
+            (true, None) => Event::Done {
+                finish,
+                usage: run.usage(slot.id, checkpointed),
+            },
+        };
+        let run = *run;
+        let final_reason = if run.gen.is_none() {
+            FinishReason::Cancelled
+        } else {
+            finish
+        };
+        (self.notices)(Notice::Finished(Box::new(Finished {
+            job: run.job.id,
+            route: run.job.route,
+            prompt: run.job.prompt,
+            meta: run.job.meta,
+            slot: slot.id,
+            prompt_tokens: run.plan.ids.len(),
+            source: run.plan.source,
+            reused: run.plan.reused,
+            checkpoint: run.plan.checkpoint,
+            checkpointed,
+            prefill_s: run.prefill_s,
+            decode_s,
+            queue_s: run.queue_s,
+            generated,
+            generated_text: text,
+            finish: final_reason,
+            cancelled: (final_reason == FinishReason::Cancelled).then(|| {
+                if self.shared.stopping.load(Ordering::Acquire) {
+                    "the server is shutting down"
+                } else {
+                    "the client went away"
+                }
+            }),
+            grammar,
+            grammar_dropped: dropped,
+            grammar_wound_down: wound,
+            mask_s,
+            error,
+        })));
+        self.shared.depth.fetch_sub(1, Ordering::AcqRel);
+        self.publish(i);
+        let _ = events.blocking_send(last);
+    }
+
+    /// Updates slot `i`'s public state, and the store's.
+    fn publish(&self, i: usize) {
+        let s = &self.slots[i];
+        let info = slot_info(s.id, &s.session, s.run.is_some());
+        self.shared.slots.lock().unwrap_or_else(|e| e.into_inner())[i] = (info, s.last_used);
+        if let Some(p) = &self.persist {
+            *self.shared.store.lock().unwrap_or_else(|e| e.into_inner()) = Some(p.store_usage());
+        }
+    }
+}
+
+/// Adds affinity keys to a slot, forgetting its oldest past [`MAX_SLOT_KEYS`].
+fn remember_keys(slot: &mut Slot, keys: Vec<String>) {
+    for k in keys {
+        if !slot.keys.contains(&k) {
+            if slot.keys.len() == MAX_SLOT_KEYS {
+                slot.keys.pop_front();
+            }
+            slot.keys.push_back(k);
+        }
+    }
+}
+
+fn engine(e: EngineError) -> JobError {
+    JobError::Engine(e.to_string())
+}

@@ -1,0 +1,347 @@
+//! The scheduler in process (no HTTP), on the real default model: greedy output
+//! batched over slots equals each request alone; slot choice (the slot holding
+//! the prefix, affinity, the least valuable with an evict save); queueing and
+//! its bound; cancellation leaves a consistent slot; a long prefill yields to
+//! decoding slots.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use ds4_engine::{KvType, Model, Precision, SamplerConfig, Session, SessionOptions, ThreadPool};
+use ds4_kvstore::{SaveReason, Store, StoreConfig};
+use ds4_runtime::{
+    CacheSource, Event, FinishReason, Job, Notice, Persist, Runtime, RuntimeConfig, SubmitError,
+    TokenLimit, Usage,
+};
+use tokio::sync::mpsc;
+
+fn model() -> Arc<Model> {
+    static M: OnceLock<Arc<Model>> = OnceLock::new();
+    Arc::clone(M.get_or_init(|| {
+        Arc::new(Model::load(ds4_testdata::model_path(ds4_testdata::SMOLLM2)).unwrap())
+    }))
+}
+
+fn sessions(n: usize, pool: &Arc<ThreadPool>) -> Vec<Session> {
+    let opts = SessionOptions {
+        n_ctx: 2048,
+        prefill_chunk: 64,
+        precision: Precision::Fast,
+        kv_type: KvType::F16,
+    };
+    (0..n)
+        .map(|_| Session::new(model(), Arc::clone(pool), &opts))
+        .collect()
+}
+
+struct Rt {
+    rt: Option<Runtime>,
+    notices: Arc<Mutex<Vec<Notice>>>,
+}
+
+impl Rt {
+    fn start(slots: usize, store: Option<&std::path::Path>, cfg: RuntimeConfig) -> Rt {
+        let pool = Arc::new(ThreadPool::new(2));
+        let sessions = sessions(slots, &pool);
+        let notices = Arc::new(Mutex::new(Vec::new()));
+        let sink = {
+            let n = Arc::clone(&notices);
+            Arc::new(move |x: Notice| n.lock().unwrap().push(x))
+        };
+        let persist = store.map(|dir| {
+            let cfg = StoreConfig {
+                policy: ds4_kvstore::SavePolicy {
+                    min_tokens: 16,
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            Persist::new(
+                Store::open(dir, cfg).unwrap(),
+                &sessions[0],
+                None,
+                sink.clone(),
+            )
+        });
+        Rt {
+            rt: Some(Runtime::start(sessions, pool, persist, cfg, sink)),
+            notices,
+        }
+    }
+
+    fn submit(&self, prompt: &str, max_tokens: usize, affinity: &[&str]) -> mpsc::Receiver<Event> {
+        self.try_submit(prompt, max_tokens, affinity).unwrap()
+    }
+
+    fn try_submit(
+        &self,
+        prompt: &str,
+        max_tokens: usize,
+        affinity: &[&str],
+    ) -> Result<mpsc::Receiver<Event>, SubmitError> {
+        let (tx, rx) = mpsc::channel(1024);
+        let job = Job {
+            id: format!("job-{prompt:.10}"),
+            route: "test".into(),
+            prompt: prompt.into(),
+            ids: model().tokenizer.encode(prompt, true, true),
+            sampling: SamplerConfig {
+                temperature: 0.0,
+                ..Default::default()
+            },
+            limit: TokenLimit::Requested(max_tokens),
+            stop: vec![],
+            affinity: affinity.iter().map(|s| s.to_string()).collect(),
+            breakpoints: vec![],
+            gate: None,
+            meta: serde_json::Value::Null,
+            events: tx,
+        };
+        self.rt.as_ref().unwrap().handle.submit(job).map(|()| rx)
+    }
+
+    fn saves(&self, reason: SaveReason) -> usize {
+        self.notices
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|n| matches!(n, Notice::Saved { reason: r, .. } if *r == reason))
+            .count()
+    }
+}
+
+impl Drop for Rt {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.handle.begin_shutdown();
+            rt.join();
+        }
+    }
+}
+
+/// Collects a job's events: its text, finish and usage.
+fn collect(mut rx: mpsc::Receiver<Event>) -> (String, FinishReason, Usage) {
+    let mut text = String::new();
+    while let Some(e) = rx.blocking_recv() {
+        match e {
+            Event::Text(t) => text.push_str(&t),
+            Event::Done { finish, usage } => return (text, finish, usage),
+            Event::Failed(e) => panic!("job failed: {e}"),
+            Event::Started(_) | Event::Progress { .. } => {}
+        }
+    }
+    panic!("no Done event")
+}
+
+fn chat(user: &str) -> String {
+    format!("<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+}
+
+const QUESTIONS: [&str; 4] = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Write a haiku about the sea.",
+    "What is 2 + 2?",
+];
+
+#[test]
+fn batched_slots_give_each_request_its_solo_greedy_answer() {
+    let solo: Vec<String> = {
+        let rt = Rt::start(1, None, RuntimeConfig::default());
+        QUESTIONS
+            .iter()
+            .map(|q| collect(rt.submit(&chat(q), 24, &[])).0)
+            .collect()
+    };
+    let rt = Rt::start(4, None, RuntimeConfig::default());
+    let rxs: Vec<_> = QUESTIONS
+        .iter()
+        .map(|q| rt.submit(&chat(q), 24, &[]))
+        .collect();
+    let mut slots = Vec::new();
+    for (rx, want) in rxs.into_iter().zip(&solo) {
+        let (text, _, usage) = collect(rx);
+        assert_eq!(&text, want);
+        slots.push(usage.slot);
+    }
+    slots.sort();
+    slots.dedup();
+    assert_eq!(slots.len(), 4, "four slots ran them: {slots:?}");
+}
+
+#[test]
+fn a_continued_conversation_returns_to_its_slot_and_an_unrelated_one_takes_an_empty_slot() {
+    let rt = Rt::start(3, None, RuntimeConfig::default());
+    let first = chat("Tell me a short story about a lighthouse keeper and his cat.");
+    let (a, _, u1) = collect(rt.submit(&first, 20, &[]));
+    // Another conversation: an empty slot, not the first one's.
+    let (_, _, u2) = collect(rt.submit(&chat("Name three colors."), 8, &[]));
+    assert_ne!(u2.slot, u1.slot);
+    // The first one continues: back to its slot, reusing its tokens.
+    let second = format!(
+        "{first}{a}<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let (_, _, u3) = collect(rt.submit(&second, 8, &[]));
+    assert_eq!(u3.slot, u1.slot);
+    assert!(
+        matches!(
+            u3.cache_source,
+            CacheSource::MemoryToken | CacheSource::MemoryText
+        ),
+        "{:?}",
+        u3.cache_source
+    );
+    assert!(u3.cached_tokens > 20, "{}", u3.cached_tokens);
+    // A short request sharing nothing, with the first conversation's key, goes
+    // where that conversation is when nothing holds a prefix of it.
+    let (_, _, u4) = collect(rt.submit("Hello", 2, &["conv-1"]));
+    let (_, _, u5) = collect(rt.submit("Hi there", 2, &["conv-1"]));
+    assert_eq!(u4.slot, u5.slot, "affinity keeps a key's requests together");
+}
+
+#[test]
+fn the_least_valuable_slot_is_evicted_with_a_save() {
+    let dir = std::env::temp_dir().join(format!("ds4-rt-evict-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let rt = Rt::start(2, Some(&dir), RuntimeConfig::default());
+    let long = chat(&"The lighthouse stood on the rocks above the harbour. ".repeat(12));
+    let (_, _, u1) = collect(rt.submit(&long, 4, &[]));
+    let (_, _, u2) = collect(rt.submit(&chat("Name three colors."), 4, &[]));
+    assert_ne!(u1.slot, u2.slot);
+    // A third conversation: both slots hold one; the shorter is replaced, and
+    // saved first.
+    let (_, _, u3) = collect(rt.submit(&chat("What is the capital of Italy?"), 4, &[]));
+    assert_eq!(u3.slot, u2.slot, "the slot with fewer tokens is replaced");
+    assert_eq!(rt.saves(SaveReason::Evict), 1);
+    // The long one is still live.
+    let (_, _, u4) = collect(rt.submit(&long, 4, &[]));
+    assert_eq!(u4.slot, u1.slot);
+    assert_eq!(u4.cache_source, CacheSource::MemoryToken);
+    drop(rt);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn jobs_queue_for_a_busy_slot_and_a_full_queue_refuses() {
+    let rt = Rt::start(
+        1,
+        None,
+        RuntimeConfig {
+            queue_max: 2,
+            ..Default::default()
+        },
+    );
+    let rxs: Vec<_> = QUESTIONS[..2]
+        .iter()
+        .map(|q| rt.submit(&chat(q), 16, &[]))
+        .collect();
+    // The engine may already hold one; push until the queue refuses.
+    let mut refused = false;
+    let mut more = Vec::new();
+    for q in QUESTIONS.iter().cycle().take(8) {
+        match rt.try_submit(&chat(q), 16, &[]) {
+            Ok(rx) => more.push(rx),
+            Err(e) => {
+                assert_eq!(e, SubmitError::QueueFull);
+                refused = true;
+                break;
+            }
+        }
+    }
+    assert!(refused, "the queue never filled");
+    for rx in rxs.into_iter().chain(more) {
+        let (_, _, u) = collect(rx);
+        assert_eq!(u.slot, 0);
+    }
+}
+
+#[test]
+fn a_client_that_leaves_frees_its_slot_in_a_consistent_state() {
+    let rt = Rt::start(1, None, RuntimeConfig::default());
+    let mut rx = rt.submit(&chat("Write a long story about the sea."), 200, &[]);
+    // Read a few events, then leave.
+    let mut texts = 0;
+    while let Some(e) = rx.blocking_recv() {
+        if matches!(e, Event::Text(_)) {
+            texts += 1;
+            if texts == 3 {
+                break;
+            }
+        }
+    }
+    drop(rx);
+    // The slot serves the next request, exactly as a fresh run does.
+    let (text, finish, _) = collect(rt.submit(&chat("What is 2 + 2?"), 12, &[]));
+    let fresh = Rt::start(1, None, RuntimeConfig::default());
+    let (want, _, _) = collect(fresh.submit(&chat("What is 2 + 2?"), 12, &[]));
+    assert_eq!(text, want);
+    assert_ne!(finish, FinishReason::Cancelled);
+}
+
+/// While one slot prefills a long cold prompt, another slot's tokens keep
+/// coming: the short job (24 tokens) finishes while the long one (~1,400
+/// prompt tokens, 32 per step) is still prefilling.
+#[test]
+fn a_long_prefill_yields_to_a_decoding_slot() {
+    let rt = Rt::start(
+        2,
+        None,
+        RuntimeConfig {
+            prefill_quantum: 32,
+            ..Default::default()
+        },
+    );
+    let short = rt.submit(&chat("Name three colors."), 24, &[]);
+    // The short job is decoding before the long one arrives.
+    let mut short = short;
+    while let Some(e) = short.blocking_recv() {
+        if matches!(e, Event::Text(_)) {
+            break;
+        }
+    }
+    let long = rt.submit(
+        &chat(&"The harbour was quiet that night, and the keeper watched the sea. ".repeat(100)),
+        4,
+        &[],
+    );
+    let (_, _, us) = collect(short);
+    let mut long = long;
+    let mut long_started_generating = false;
+    while let Ok(e) = long.try_recv() {
+        if matches!(e, Event::Text(_) | Event::Done { .. }) {
+            long_started_generating = true;
+        }
+    }
+    assert!(
+        !long_started_generating,
+        "the short job waited for the long prefill"
+    );
+    let (_, _, ul) = collect(long);
+    assert!(ul.prompt_tokens > 1000, "{}", ul.prompt_tokens);
+    assert_ne!(us.slot, ul.slot);
+}
+
+/// A request that shares a long prefix (a system prompt) with a slot's
+/// conversation but not the rest starts from a copy of that slot's state in
+/// another slot: it reuses the prefix, and the conversation stays live.
+#[test]
+fn a_shared_prefix_is_forked_into_another_slot() {
+    let rt = Rt::start(2, None, RuntimeConfig::default());
+    let system = "You are a careful assistant for a lighthouse keeper. ".repeat(8);
+    let turn = |user: &str| {
+        format!(
+            "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+        )
+    };
+    let first = turn("Name a colour.");
+    let (a, _, u1) = collect(rt.submit(&first, 8, &[]));
+    let (_, _, u2) = collect(rt.submit(&turn("Name a fruit."), 4, &[]));
+    assert_ne!(u2.slot, u1.slot, "the conversation's slot is not cut back");
+    assert_eq!(u2.cache_source, CacheSource::MemoryToken);
+    assert!(u2.cached_tokens >= 64, "{} reused", u2.cached_tokens);
+    let second = format!(
+        "{first}{a}<|im_end|>\n<|im_start|>user\nAnother one.<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let (_, _, u3) = collect(rt.submit(&second, 4, &[]));
+    assert_eq!(u3.slot, u1.slot);
+    assert!(u3.cached_tokens >= u1.prompt_tokens, "{:?}", u3);
+}

@@ -1,0 +1,268 @@
+//! The CPU work between a parsed request and the engine, done on a blocking
+//! thread so that neither the async threads nor the engine wait for it: the
+//! prompt rendered (the template's markup apart from content, which is text
+//! whatever it spells), a prompt that cannot fit refused from its size before
+//! it is tokenized (`Tokenizer::min_tokens`), then tokenized and refused
+//! exactly, and its grammar compiled.
+
+use ds4_chat::tools::ToolParser;
+use ds4_chat::{Prompt, RenderOptions, ThinkMode};
+use ds4_engine::tokenizer::Segment;
+use ds4_engine::Tokenizer;
+use serde_json::json;
+
+use crate::dialect::{Input, Request};
+use crate::http::AppState;
+use ds4_runtime::ReplayStats;
+use ds4_runtime::{Gate, Overflow, TokenLimit};
+
+/// A request ready for the engine.
+pub(crate) struct Prepared {
+    /// The rendered prompt's text and its tokens.
+    pub prompt: String,
+    pub ids: Vec<u32>,
+    /// How the output is read back: tool calls when tools are active.
+    pub parser: Option<Box<dyn ToolParser>>,
+    /// The forced opening of a tool call the prompt ends with, if any.
+    pub forced: Option<String>,
+    /// The thinking mode the prompt was rendered in.
+    pub think: ThinkMode,
+    pub replay: ReplayStats,
+    /// Byte offsets of the client's cache breakpoints in `prompt`.
+    pub breakpoints: Vec<usize>,
+    pub gate: Option<Gate>,
+}
+
+/// Why a request does not reach the engine (each a 400).
+#[derive(Debug, PartialEq)]
+pub(crate) enum Refusal {
+    Invalid(String),
+    /// The prompt (and `max_tokens`) cannot fit the context.
+    Overflow(Overflow),
+    /// A structured-output schema the grammar engine cannot use.
+    Schema(String),
+}
+
+/// Renders, bounds, tokenizes and compiles `p` (see the module doc); `id` names
+/// the request in the trace.
+pub(crate) fn prepare(st: &AppState, p: &mut Request, id: &str) -> Result<Prepared, Refusal> {
+    let r = render(st, p).map_err(|m| Refusal::Invalid(m.into()))?;
+    let limit = TokenLimit::of(p.max_tokens, st.cfg.default_max_tokens);
+    let n_ctx = st.cfg.n_ctx;
+    let tok = &st.model.tokenizer;
+    let at_least = tok.min_tokens(r.prompt.as_str());
+    limit.allowed(at_least, n_ctx).map_err(|o| {
+        Refusal::Overflow(Overflow {
+            at_least: true,
+            ..o
+        })
+    })?;
+    let ids = encode_prompt(tok, &r.prompt);
+    limit.allowed(ids.len(), n_ctx).map_err(Refusal::Overflow)?;
+    let gate = match r.grammar {
+        Some(plan) => compile(st, id, plan).map_err(Refusal::Schema)?,
+        None => None,
+    };
+    Ok(Prepared {
+        prompt: r.prompt.into(),
+        ids,
+        parser: r.parser,
+        forced: r.forced,
+        think: r.think,
+        replay: r.replay,
+        breakpoints: r.breakpoints,
+        gate,
+    })
+}
+
+/// The tokens a count (`/v1/messages/count_tokens`) reports: the rendered
+/// prompt's, as `prepare` tokenizes it.
+pub(crate) fn count_tokens(st: &AppState, mut p: Request) -> Result<usize, Refusal> {
+    let r = render(st, &mut p).map_err(|m| Refusal::Invalid(m.into()))?;
+    Ok(encode_prompt(&st.model.tokenizer, &r.prompt).len())
+}
+
+/// A rendered prompt's tokens (BOS/EOS as the model adds them): control tokens
+/// only where its markup spells them.
+pub fn encode_prompt(tok: &Tokenizer, prompt: &Prompt) -> Vec<u32> {
+    let segments: Vec<Segment> = prompt
+        .parts()
+        .map(|(s, markup)| match markup {
+            true => Segment::Markup(s),
+            false => Segment::Text(s),
+        })
+        .collect();
+    tok.encode_segments(&segments, true)
+}
+
+/// A request rendered for the engine.
+pub(crate) struct Rendered {
+    pub prompt: Prompt,
+    /// How the output is read back: tool calls when tools are active.
+    pub parser: Option<Box<dyn ToolParser>>,
+    /// The forced opening of a tool call the prompt ends with, if any.
+    pub forced: Option<String>,
+    /// The thinking mode the prompt was rendered in.
+    pub think: ThinkMode,
+    pub replay: ReplayStats,
+    /// Byte offsets of the client's cache breakpoints in `prompt`.
+    pub breakpoints: Vec<usize>,
+    pub grammar: Option<GrammarPlan>,
+}
+
+/// What the output of a request is held to.
+pub(crate) enum GrammarPlan {
+    /// A forced tool call (the prompt ends with the call's opening): the
+    /// family's call grammar from the first token.
+    ForcedCall(String),
+    /// Tools offered, the model free to call one: the call grammar once it
+    /// writes the opening (`trigger`) itself.
+    Call {
+        trigger: &'static str,
+        grammar: String,
+    },
+    /// Structured output: JSON valid against the request's schema.
+    Json(String),
+}
+
+/// Renders a request: a raw prompt as is, messages (normalised, with remembered
+/// tool-call text attached) with the model's chat template.
+fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'static str> {
+    let (messages, t) = match (&mut p.input, &st.template) {
+        (Input::Raw(s), _) => {
+            // A raw prompt is the client's own markup: its special-token texts
+            // are control tokens (docs/API.md).
+            let mut prompt = Prompt::new();
+            prompt.markup(s);
+            return Ok(Rendered {
+                prompt,
+                parser: None,
+                forced: None,
+                think: ThinkMode::None,
+                replay: ReplayStats::default(),
+                breakpoints: vec![],
+                grammar: json_plan(&p.agent),
+            });
+        }
+        (Input::Messages(m), Some(t)) => (m, t),
+        (Input::Messages(_), None) => {
+            return Err("this model has no chat template; use /v1/completions")
+        }
+    };
+    st.normalizer.apply(messages);
+    let replay = st.tool_memory.attach(messages);
+    let think = if t.supports_thinking() {
+        p.agent.think.for_context(st.cfg.n_ctx)
+    } else {
+        ThinkMode::None
+    };
+    let tools = p.agent.active_tools();
+    let mut prompt = t.render(
+        messages,
+        &RenderOptions {
+            tools,
+            think,
+            add_generation_prompt: true,
+        },
+    );
+    let syntax = t.tool_syntax();
+    // A forced call in thinking mode comes after an empty reasoning block: a
+    // call inside the reasoning would never be read.
+    let forced = if tools.is_empty() {
+        None
+    } else {
+        syntax
+            .forced_prefix(&p.agent.tool_choice)
+            .map(|f| match think.is_thinking() {
+                true => format!("{}{f}", ds4_chat::think::THINK_CLOSE),
+                false => f,
+            })
+    };
+    // A breakpoint is the end of its message: where rendering the conversation up
+    // to it ends, when that is a prefix of the prompt (append-only templates).
+    let breakpoints = p
+        .agent
+        .cache_breakpoints
+        .iter()
+        .filter_map(|&i| {
+            let upto = messages.get(..=i)?;
+            let prefix = t.render(
+                upto,
+                &RenderOptions {
+                    tools,
+                    think,
+                    add_generation_prompt: false,
+                },
+            );
+            prompt
+                .as_str()
+                .starts_with(prefix.as_str())
+                .then_some(prefix.len())
+        })
+        .collect();
+    if let Some(f) = &forced {
+        prompt.markup(f);
+    }
+    // A forced call first, then structured output, then a call the model may open.
+    let call_grammar = syntax.call_grammar(tools, &p.agent.tool_choice, !p.agent.single_call);
+    let grammar = match (forced.is_some(), call_grammar, syntax.call_trigger()) {
+        (true, Some(g), _) => Some(GrammarPlan::ForcedCall(g)),
+        (false, Some(grammar), Some(trigger)) if p.agent.json_schema.is_none() => {
+            Some(GrammarPlan::Call { trigger, grammar })
+        }
+        _ => json_plan(&p.agent),
+    };
+    Ok(Rendered {
+        prompt,
+        breakpoints,
+        grammar,
+        parser: (!tools.is_empty()).then(|| syntax.parser(tools)),
+        forced,
+        think,
+        replay,
+    })
+}
+
+/// Structured output's plan: one JSON value valid against the request's schema.
+fn json_plan(agent: &crate::dialect::AgentOptions) -> Option<GrammarPlan> {
+    let schema = agent.json_schema.as_ref()?;
+    Some(GrammarPlan::Json(format!(
+        "start: {}",
+        ds4_chat::tools::json_rule(schema)
+    )))
+}
+
+/// Compiles a request's grammar plan. A tool-call grammar that does not compile
+/// (a schema the engine cannot hold) leaves the call unconstrained — parsed as
+/// before, with a trace note; a structured-output schema that does not compile
+/// is the client's to fix (400).
+fn compile(st: &AppState, id: &str, plan: GrammarPlan) -> Result<Option<Gate>, String> {
+    let vocab = match &st.grammar {
+        Ok(v) => v,
+        Err(why) => {
+            return match plan {
+                GrammarPlan::Json(_) => Err(format!(
+                    "structured output is not available for this model: {why}"
+                )),
+                _ => Ok(None),
+            }
+        }
+    };
+    let (text, trigger) = match &plan {
+        GrammarPlan::ForcedCall(g) | GrammarPlan::Json(g) => (g, None),
+        GrammarPlan::Call { trigger, grammar } => (grammar, Some(*trigger)),
+    };
+    match vocab.constraint(text) {
+        Ok(constraint) => Ok(Some(Gate {
+            constraint,
+            trigger,
+        })),
+        Err(e) if matches!(plan, GrammarPlan::Json(_)) => Err(e.to_string()),
+        Err(e) => {
+            if let Some(t) = &st.trace {
+                t.write(json!({ "event": "grammar_unusable", "id": id, "error": e.to_string() }));
+            }
+            Ok(None)
+        }
+    }
+}
