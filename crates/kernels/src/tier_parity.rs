@@ -817,8 +817,8 @@ fn act16_quantization_is_bit_identical_on_every_tier() {
 
 /// The products with 16-bit activations on packed rows ([`crate::act16::F2Matrix`])
 /// give every (row, token) exactly the scalar order F2 on the blocks, on every
-/// tier: one token (the decode kernel, four rows at a time) and batches around
-/// the 6-token groups, rows around the 2- and 4-row groups and across a panel
+/// tier: one token (the decode kernel, four rows at a time), a few tokens (the
+/// decode kernel over groups of three) and batches around the 6-token groups, rows around the 2- and 4-row groups and across a panel
 /// (70 rows of 48 blocks), a range of rows not starting at 0, blocks around the
 /// 8-block chunks, any finite weight scales, and activations from the quantizer
 /// as well as raw quants over the whole i16 range.
@@ -833,6 +833,10 @@ fn act16_products_are_bit_identical_on_every_tier() {
             (5, 1),
             (11, 1),
             (3, 2),
+            (5, 3),
+            (7, 4),
+            (9, 5),
+            (6, 7),
             (4, 8),
             (5, 9),
             (1, 17),
@@ -1317,6 +1321,23 @@ fn bench_fast() {
                 f2_4 / 1e3,
                 f1_8 / 1e3,
                 f2_8 / 1e3
+            );
+            // Batched decode's shapes: a few tokens against every row.
+            let small: Vec<String> = [1usize, 2, 3, 4, 6, 8]
+                .iter()
+                .map(|&n| {
+                    let mut a = crate::act16::Act16::default();
+                    a.quantize(&xs[..n * n_in], n_in);
+                    let mut o = vec![0.0; n * n_out];
+                    let ns =
+                        best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..n_out)), &a, &mut o));
+                    format!("{n}: {:.1}", ns / 1e3)
+                })
+                .collect();
+            println!(
+                "{n_in}x{n_out} [{}] F2 q4_1, few tokens (tokens: us per call): {}",
+                k.tier,
+                small.join(", ")
             );
             let f2 = best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..rows)), &a64, &mut o64));
             let f2p =

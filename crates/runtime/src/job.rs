@@ -289,10 +289,12 @@ pub enum JobError {
 }
 
 /// Why a job was not queued.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SubmitError {
     /// Every slot is busy and the queue is full: retry later.
+    #[error("every slot is busy and the queue is full")]
     QueueFull,
+    #[error("the runtime is shutting down")]
     ShuttingDown,
 }
 

@@ -5,6 +5,7 @@
 
 mod plot;
 mod prefix_reuse;
+mod sessions;
 mod summary;
 mod sweep;
 
@@ -40,38 +41,39 @@ pub struct BenchArgs {
     /// First context frontier in tokens.
     #[arg(long, default_value_t = 2048, value_name = "N", help_heading = "Context sweep (default mode)",
           value_parser = positive,
-          conflicts_with_all = ["summary", "prefix_reuse"])]
+          conflicts_with_all = ["summary", "prefix_reuse", "sessions"])]
     pub ctx_start: usize,
     /// Last context frontier in tokens (beyond the model's trained context, the
     /// session is RoPE-scaled: see --rope-scaling).
     #[arg(long, default_value_t = 8192, value_name = "N", help_heading = "Context sweep (default mode)",
-          conflicts_with_all = ["summary", "prefix_reuse"])]
+          conflicts_with_all = ["summary", "prefix_reuse", "sessions"])]
     pub ctx_max: usize,
     /// Add N tokens from one frontier to the next [default: 2048].
     #[arg(long, value_name = "N", help_heading = "Context sweep (default mode)",
           value_parser = positive,
-          conflicts_with_all = ["step_mul", "summary", "prefix_reuse"])]
+          conflicts_with_all = ["step_mul", "summary", "prefix_reuse", "sessions"])]
     pub step_incr: Option<usize>,
     /// Multiply the frontier by F (> 1) from one to the next (geometric).
     #[arg(long, value_name = "F", help_heading = "Context sweep (default mode)",
-          conflicts_with_all = ["summary", "prefix_reuse"])]
+          conflicts_with_all = ["summary", "prefix_reuse", "sessions"])]
     pub step_mul: Option<f64>,
-    /// Greedy tokens generated at each frontier (the state is restored after).
+    /// Greedy tokens generated at each frontier (the state is restored after);
+    /// with --sessions, by each client.
     #[arg(long, default_value_t = 64, value_name = "N", help_heading = "Context sweep (default mode)",
           value_parser = positive,
           conflicts_with_all = ["summary", "prefix_reuse"])]
     pub gen_tokens: usize,
     /// Also write the CSV to FILE.
     #[arg(long, value_name = "FILE", help_heading = "Context sweep (default mode)",
-          conflicts_with_all = ["summary", "prefix_reuse"])]
+          conflicts_with_all = ["summary", "prefix_reuse", "sessions"])]
     pub csv: Option<PathBuf>,
     /// Write an SVG plot of prefill and generation t/s against context.
     #[arg(long, value_name = "FILE.svg", help_heading = "Context sweep (default mode)",
-          conflicts_with_all = ["summary", "prefix_reuse"])]
+          conflicts_with_all = ["summary", "prefix_reuse", "sessions"])]
     pub plot: Option<PathBuf>,
     /// Print the generated token ids of each frontier to stderr.
     #[arg(long, help_heading = "Context sweep (default mode)",
-          conflicts_with_all = ["summary", "prefix_reuse"])]
+          conflicts_with_all = ["summary", "prefix_reuse", "sessions"])]
     pub print_tokens: bool,
 
     /// Prefill and generation t/s, mean ± sd, like llama-bench.
@@ -126,6 +128,50 @@ pub struct BenchArgs {
         requires = "prefix_reuse"
     )]
     pub kv_disk_dir: Option<PathBuf>,
+
+    /// Concurrent sessions: N slots of the session runtime (as `ds4 serve
+    /// --batched-session N`) under concurrent clients with a shared and a
+    /// private prompt each; --gen-tokens tokens each.
+    #[arg(long, value_name = "N", help_heading = "Sessions", value_parser = positive,
+          conflicts_with_all = ["summary", "prefix_reuse", "sessions"])]
+    pub sessions: Option<usize>,
+    /// Concurrent clients [default: one per session].
+    #[arg(long, value_name = "M", help_heading = "Sessions", value_parser = positive,
+          requires = "sessions")]
+    pub clients: Option<usize>,
+    /// Prompt tokens every client shares (a system prompt and tool list).
+    #[arg(
+        long,
+        default_value_t = 2048,
+        value_name = "N",
+        help_heading = "Sessions",
+        requires = "sessions"
+    )]
+    pub shared_tokens: usize,
+    /// Prompt tokens of each client's own after the shared ones.
+    #[arg(
+        long,
+        default_value_t = 256,
+        value_name = "N",
+        help_heading = "Sessions",
+        requires = "sessions"
+    )]
+    pub private_tokens: usize,
+    /// Cold prompt tokens prefilled on one slot while another decodes (the
+    /// decoder's inter-token gaps are reported); 0 skips the test.
+    #[arg(
+        long,
+        default_value_t = 6144,
+        value_name = "N",
+        help_heading = "Sessions",
+        requires = "sessions"
+    )]
+    pub stall_prefill: usize,
+    /// Tokens a prefilling slot feeds per step while another decodes (as
+    /// `ds4 serve --mixed-prefill-quantum`).
+    #[arg(long, default_value_t = 128, value_name = "N", help_heading = "Sessions",
+          value_parser = positive, requires = "sessions")]
+    pub mixed_prefill_quantum: usize,
 }
 
 /// A token or repetition count of at least 1.
@@ -138,7 +184,9 @@ fn positive(s: &str) -> Result<usize, String> {
 }
 
 pub fn run(a: &BenchArgs) -> Result<()> {
-    if a.prefix_reuse {
+    if let Some(n) = a.sessions {
+        sessions::run(a, n)
+    } else if a.prefix_reuse {
         prefix_reuse::run(a)
     } else if a.summary {
         summary::run(a)
