@@ -81,6 +81,21 @@ pub(crate) struct Plan {
     pub weighed: Vec<Weighed>,
 }
 
+impl Plan {
+    /// `reused` of `ids` held, from `source`, nothing cut, loaded or missed.
+    fn new(ids: Vec<u32>, reused: usize, source: CacheSource) -> Plan {
+        Plan {
+            ids,
+            reused,
+            source,
+            cut: 0,
+            checkpoint: None,
+            miss: None,
+            weighed: vec![],
+        }
+    }
+}
+
 /// One disk checkpoint the plan considered: what it offered, what loading it
 /// would cost against the prefill it would save, and the verdict.
 #[derive(Clone, Debug, PartialEq)]
@@ -165,21 +180,12 @@ pub(crate) fn plan(
     let live = session.tokens().to_vec();
     let held = Held::of(session, &ids);
     let by_token = held.by_token;
-    let from = |ids, reused, source| Plan {
-        ids,
-        reused,
-        source,
-        cut: 0,
-        checkpoint: None,
-        miss: None,
-        weighed: vec![],
-    };
     let mut plan = if let Some(rest) = held.by_text {
         // The live tokens represent a prefix of the text but are not the
         // prompt's own tokenization: keep them all, append the rest.
         let mut full = live.clone();
         full.extend(rest);
-        from(full, live.len(), CacheSource::MemoryText)
+        Plan::new(full, live.len(), CacheSource::MemoryText)
     } else {
         match persist.as_deref_mut() {
             Some(p) if by_token < p.min_tokens() => {
@@ -200,7 +206,7 @@ pub(crate) fn plan(
                 } else {
                     CacheSource::None
                 };
-                from(ids, by_token, source)
+                Plan::new(ids, by_token, source)
             }
         }
     };
@@ -235,11 +241,10 @@ fn from_disk(
         // are the same text, so about as many.
         let reusable =
             tokens_within(&ids, s.common_bytes, |i, id| tok.prompt_piece(i, id).len()).min(tokens);
-        let mut w = weigh(&rates, &s.candidate, false, reusable);
-        w.tokens = tokens;
         if reusable < p.min_tokens() {
             continue;
         }
+        let mut w = weigh(&rates, &s.candidate, false, reusable);
         if !session.could_rewind_loaded(tokens, reusable) {
             // A sliding window past the shared end even in a fresh load.
             w.verdict = Verdict::CannotCut;
@@ -278,13 +283,8 @@ fn from_disk(
                     let mut full = held.clone();
                     full.extend(rest);
                     used = Some(Plan {
-                        ids: full,
-                        reused: held.len(),
-                        source: CacheSource::DiskText,
-                        cut: 0,
                         checkpoint: Some(r.path),
-                        miss: None,
-                        weighed: vec![],
+                        ..Plan::new(full, held.len(), CacheSource::DiskText)
                     });
                     w.verdict = Verdict::Used;
                 }
@@ -299,13 +299,9 @@ fn from_disk(
                 Some(n) => {
                     w.reusable = n;
                     used = Some(Plan {
-                        ids: ids.clone(),
-                        reused: n,
-                        source: CacheSource::DiskTextPartial,
                         cut: held.len() - n,
                         checkpoint: Some(r.path),
-                        miss: None,
-                        weighed: vec![],
+                        ..Plan::new(ids.clone(), n, CacheSource::DiskTextPartial)
                     });
                     w.verdict = Verdict::Used;
                 }
@@ -323,15 +319,7 @@ fn from_disk(
         }
         weighed.push(w);
     }
-    let mut plan = used.unwrap_or_else(|| Plan {
-        ids,
-        reused: 0,
-        source: CacheSource::None,
-        cut: 0,
-        checkpoint: None,
-        miss: None,
-        weighed: vec![],
-    });
+    let mut plan = used.unwrap_or_else(|| Plan::new(ids, 0, CacheSource::None));
     plan.weighed = weighed;
     plan
 }

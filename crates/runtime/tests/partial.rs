@@ -4,19 +4,18 @@
 //! (`disk-text-partial`), within a few tokens of it, answering exactly as a
 //! cold run, and the cut session's logits are bitwise a cold session's.
 
+mod common;
 #[path = "../../engine/tests/families/mod.rs"]
 mod families;
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use ds4_engine::{KvType, Model, Precision, SamplerConfig, Session, SessionOptions, ThreadPool};
+use common::{collect, greedy_job};
+use ds4_engine::{KvType, Model, Precision, Session, SessionOptions, ThreadPool};
 use ds4_kvstore::{SavePolicy, Store, StoreConfig};
-use ds4_runtime::{
-    CacheSource, Event, Job, Notice, Persist, Runtime, RuntimeConfig, TokenLimit, Usage, Verdict,
-};
+use ds4_runtime::{CacheSource, Notice, Persist, Runtime, RuntimeConfig, Usage, Verdict};
 use families::Family;
-use tokio::sync::mpsc;
 
 fn session(model: &Arc<Model>, pool: &Arc<ThreadPool>) -> Session {
     let opts = SessionOptions {
@@ -60,34 +59,10 @@ fn run(
     };
     let p = store.map(|d| persist(d, &s, Arc::clone(&sink)));
     let rt = Runtime::start(vec![s], pool, p, RuntimeConfig::default(), sink);
-    let (tx, mut rx) = mpsc::channel(1024);
-    let job = Job {
-        id: "partial".into(),
-        route: "test".into(),
-        prompt: prompt.into(),
-        ids: model.tokenizer.encode(prompt, true, true),
-        sampling: SamplerConfig {
-            temperature: 0.0,
-            ..Default::default()
-        },
-        limit: TokenLimit::Requested(max_tokens),
-        stop: vec![],
-        affinity: vec![],
-        breakpoints: vec![],
-        gate: None,
-        meta: serde_json::Value::Null,
-        events: tx,
-    };
+    let ids = model.tokenizer.encode(prompt, true, true);
+    let (job, rx) = greedy_job(prompt, ids, max_tokens, &[], vec![]);
     rt.handle.submit(job).unwrap();
-    let mut text = String::new();
-    let usage = loop {
-        match rx.blocking_recv().expect("a Done event") {
-            Event::Text(t) => text.push_str(&t),
-            Event::Done { usage, .. } => break usage,
-            Event::Failed(e) => panic!("job failed: {e}"),
-            Event::Started(_) | Event::Progress { .. } => {}
-        }
-    };
+    let (text, _, usage) = collect(rx);
     rt.handle.begin_shutdown();
     rt.join();
     let n = notices.lock().unwrap().clone();

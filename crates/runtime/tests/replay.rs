@@ -8,16 +8,15 @@
 //! the whole-prefix rule and the partial rule; the per-request table is
 //! printed (`cargo test --release -p ds4-runtime --test replay -- --nocapture`).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use ds4_engine::{KvType, Model, Precision, SamplerConfig, Session, SessionOptions, ThreadPool};
+use common::{collect, greedy_job};
+use ds4_engine::{KvType, Model, Precision, Session, SessionOptions, ThreadPool};
 use ds4_kvstore::{Store, StoreConfig};
-use ds4_runtime::{
-    tokens_within, CacheSource, Event, Job, Notice, Persist, Runtime, RuntimeConfig, TokenLimit,
-    Usage,
-};
-use tokio::sync::mpsc;
+use ds4_runtime::{tokens_within, CacheSource, Notice, Persist, Runtime, RuntimeConfig, Usage};
 
 fn model() -> Arc<Model> {
     static M: OnceLock<Arc<Model>> = OnceLock::new();
@@ -50,35 +49,12 @@ fn start(store: &Path, whole_only: bool) -> Runtime {
 
 /// Runs one request greedily: its reply and usage.
 fn send(rt: &Runtime, prompt: &str) -> (String, Usage) {
-    let (tx, mut rx) = mpsc::channel(1024);
-    let job = Job {
-        id: "replay".into(),
-        route: "test".into(),
-        prompt: prompt.into(),
-        ids: model().tokenizer.encode(prompt, true, true),
-        sampling: SamplerConfig {
-            temperature: 0.0,
-            ..Default::default()
-        },
-        limit: TokenLimit::Requested(24),
-        stop: vec![],
-        affinity: vec![],
-        // Claude Code marks its last message for caching.
-        breakpoints: vec![prompt.len()],
-        gate: None,
-        meta: serde_json::Value::Null,
-        events: tx,
-    };
+    let ids = model().tokenizer.encode(prompt, true, true);
+    // Claude Code marks its last message for caching.
+    let (job, rx) = greedy_job(prompt, ids, 24, &[], vec![prompt.len()]);
     rt.handle.submit(job).unwrap();
-    let mut text = String::new();
-    loop {
-        match rx.blocking_recv().expect("a Done event") {
-            Event::Text(t) => text.push_str(&t),
-            Event::Done { usage, .. } => return (text, usage),
-            Event::Failed(e) => panic!("job failed: {e}"),
-            Event::Started(_) | Event::Progress { .. } => {}
-        }
-    }
+    let (text, _, usage) = collect(rx);
+    (text, usage)
 }
 
 const WORDS: [&str; 12] = [
@@ -96,13 +72,13 @@ const WORDS: [&str; 12] = [
     "validates",
 ];
 
-/// A system prompt with a tool list (about 2,600 tokens).
+/// A system prompt with a tool list (about 2,100 tokens).
 fn system() -> String {
     let mut s = String::from(
         "You are an interactive CLI tool that helps users with software engineering tasks. \
          Use the tools below. Be concise; prefer editing files to creating them.\n\n# Tools\n",
     );
-    for i in 0..48 {
+    for i in 0..36 {
         s.push_str(&format!(
             "\n## tool_{i}\nThe tool {} a file or a directory, then {} its contents and {} the \
              result. Parameters: {{\"path\": string, \"recursive\": boolean, \"limit\": integer \
@@ -116,10 +92,10 @@ fn system() -> String {
     s
 }
 
-/// A tool result of about 500 tokens.
+/// A tool result of about 650 tokens.
 fn tool_result(turn: usize) -> String {
     let mut s = format!("Result of call {turn}:\n");
-    for line in 0..40 {
+    for line in 0..32 {
         s.push_str(&format!(
             "src/module_{turn}/file_{line}.rs: {} {} lines\n",
             WORDS[(turn + line) % 12],
