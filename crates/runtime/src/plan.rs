@@ -147,6 +147,34 @@ impl Verdict {
 }
 
 impl Weighed {
+    /// A checkpoint of `tokens` in a file of `file_bytes` at `path` serving
+    /// `reusable` prompt tokens, weighed at `rates`; not tried yet, or not
+    /// worth it when loading takes at least as long as the prefill it saves.
+    pub fn new(
+        rates: &Rates,
+        path: &std::path::Path,
+        whole: bool,
+        tokens: usize,
+        reusable: usize,
+        file_bytes: u64,
+    ) -> Weighed {
+        let (load_s, prefill_s) = (rates.load_s(file_bytes), rates.prefill_s(reusable));
+        Weighed {
+            path: path.to_path_buf(),
+            whole,
+            tokens,
+            reusable,
+            file_bytes,
+            load_s,
+            prefill_s,
+            verdict: if load_s < prefill_s {
+                Verdict::NotTried
+            } else {
+                Verdict::NotWorthIt
+            },
+        }
+    }
+
     /// The trace form: `FILE whole|partial tokens=T reusable=R bytes=B
     /// load=Ls prefill=Ps: VERDICT`.
     pub fn describe(&self) -> String {
@@ -263,11 +291,6 @@ fn from_disk(
             weighed.push(w);
             continue;
         }
-        if w.load_s >= w.prefill_s {
-            w.verdict = Verdict::NotWorthIt;
-            weighed.push(w);
-            continue;
-        }
         let Some(r) = p.load_into(slot, session, &cand, prompt.as_bytes()) else {
             w.verdict = Verdict::LoadFailed;
             weighed.push(w);
@@ -328,16 +351,14 @@ fn from_disk(
 /// seconds.
 fn weigh(rates: &Rates, c: &Candidate, whole: bool, reusable: usize) -> Weighed {
     let file_bytes = c.header.file_bytes().unwrap_or(u64::MAX);
-    Weighed {
-        path: c.path.clone(),
+    Weighed::new(
+        rates,
+        &c.path,
         whole,
-        tokens: c.header.tokens as usize,
+        c.header.tokens as usize,
         reusable,
         file_bytes,
-        load_s: rates.load_s(file_bytes),
-        prefill_s: rates.prefill_s(reusable),
-        verdict: Verdict::NotTried,
-    }
+    )
 }
 
 /// Where a session holding a checkpoint that shares the first `shared` bytes
@@ -402,4 +423,30 @@ fn explain(
         }
     }
     miss.map(Box::new)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 200 MB file to save 30 tokens is not loaded at the default rates;
+    /// at a slow model's measured prefill rate it is, and a small file that
+    /// saves thousands of tokens always is.
+    #[test]
+    fn a_load_must_take_less_time_than_the_prefill_it_saves() {
+        let path = std::path::Path::new("x.kv");
+        let mut rates = Rates::default();
+        let big = Weighed::new(&rates, path, false, 4000, 30, 200_000_000);
+        assert_eq!(big.verdict, Verdict::NotWorthIt, "{}", big.describe());
+        let small = Weighed::new(&rates, path, false, 4000, 3000, 90_000_000);
+        assert_eq!(small.verdict, Verdict::NotTried, "{}", small.describe());
+        rates.prefill_tokens_per_s = 20.0;
+        let slow = Weighed::new(&rates, path, false, 4000, 30, 200_000_000);
+        assert_eq!(slow.verdict, Verdict::NotTried, "{}", slow.describe());
+        assert!(
+            big.describe().ends_with("not-worth-loading"),
+            "{}",
+            big.describe()
+        );
+    }
 }
