@@ -541,6 +541,10 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
                     CacheSource::DiskText => {
                         format!("restored {} tokens from disk", usage.cached_tokens)
                     }
+                    CacheSource::DiskTextPartial => format!(
+                        "restored {} tokens from disk (a checkpoint cut back by {})",
+                        usage.cached_tokens, usage.cut_tokens
+                    ),
                     CacheSource::None => "nothing reused".to_string(),
                 };
                 let total_s = t.elapsed().as_secs_f64();

@@ -19,6 +19,15 @@ fn chat_body(messages: Value, extra: Value) -> Value {
     b
 }
 
+/// The records of a `--trace` file.
+fn trace_lines(path: &std::path::Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 #[test]
 fn chat_completions_stream_and_reuse() {
     let srv = Server::start(&["--no-kv-disk"]);
@@ -365,10 +374,8 @@ fn a_client_that_disconnects_mid_stream_cancels_and_leaves_the_session_usable() 
         first.contains("finish=cancelled (the client went away)"),
         "{first}"
     );
-    let traced: Value = std::fs::read_to_string(&trace)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+    let traced = trace_lines(&trace)
+        .into_iter()
         .find(|l| l["event"] == "request")
         .unwrap();
     assert_eq!(traced["finish_reason"], "cancelled", "{traced}");
@@ -434,13 +441,17 @@ fn restart_resumes_from_the_disk_checkpoint_with_identical_output() {
         "restart changed the output"
     );
     assert_eq!(b2["usage"]["prompt_tokens"], b1["usage"]["prompt_tokens"]);
-    let lines: Vec<Value> = std::fs::read_to_string(&trace)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = trace_lines(&trace);
     let cache = lines.iter().find(|l| l["event"] == "cache").unwrap();
-    assert_eq!(cache["cache_source"], "disk-text");
+    // The shutdown save holds turn 2 and its reply: cut back, it serves all
+    // of turn 2 (more than the cold save of turn 1 does as a prefix).
+    assert!(
+        cache["cache_source"]
+            .as_str()
+            .unwrap()
+            .starts_with("disk-text"),
+        "{cache}"
+    );
     assert!(cache["checkpoint_file"].as_str().unwrap().ends_with(".kv"));
     let req = lines.iter().find(|l| l["event"] == "request").unwrap();
     assert_eq!(req["route"], "/v1/chat/completions");
@@ -457,6 +468,79 @@ fn restart_resumes_from_the_disk_checkpoint_with_identical_output() {
         b2["usage"]["prompt_tokens_details"]["cached_tokens"]
     );
     drop(srv);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// After a graceful restart, a request sharing the saved prompt but not its
+/// reply reuses the checkpoint cut back to the shared prefix: the header and
+/// the trace say `disk-text-partial` with the tokens cut and the weighing, and
+/// the answer is a cold server's.
+#[test]
+fn restart_reuses_a_diverging_checkpoint_cut_back_to_the_shared_prefix() {
+    let dir = temp_dir("partial");
+    let kv = dir.join("kv");
+    // No cold save: the shutdown save of prompt + reply is the only checkpoint.
+    let args = [
+        &["--batched-session", "1", "--kv-cache-cold-max-tokens", "0"][..],
+        &kv_flags(&kv)[..],
+    ]
+    .concat();
+    let prompt = "The lighthouse stood on the rocks above the harbour, and every night \
+                  its keeper climbed the stairs to light the lamp. "
+        .repeat(12);
+    let complete = |port, prompt: &str| {
+        let r = post(
+            port,
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 12, "temperature": 0}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        let cache = r.header("x-ds4-cache").unwrap_or_default();
+        (r.json(), cache)
+    };
+    let srv = Server::start(&args);
+    let (first, _) = complete(srv.port, &prompt);
+    let reply = first["choices"][0]["text"].as_str().unwrap().to_string();
+    let log = srv.stop();
+    assert!(log.contains("reason=shutdown"), "{log}");
+    let other = "\n\nQ: Who kept the lighthouse?\nA:";
+    assert!(!reply.starts_with(&other[..2]), "{reply:?}");
+    let request = format!("{prompt}{other}");
+
+    let trace = dir.join("trace.jsonl");
+    let srv = Server::start(&[&args[..], &["--trace", trace.to_str().unwrap()]].concat());
+    let (b, cache) = complete(srv.port, &request);
+    assert!(cache.starts_with("disk-text-partial;"), "{cache}");
+    assert!(cache.contains("; cut="), "{cache}");
+    let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let prompt_tokens = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        cached + 4 >= prompt_tokens && cached <= prompt_tokens,
+        "{cache}"
+    );
+    drop(srv);
+    let lines = trace_lines(&trace);
+    let plan = lines.iter().find(|l| l["event"] == "cache").unwrap();
+    assert_eq!(plan["cache_source"], "disk-text-partial");
+    assert_eq!(plan["reused_tokens"], cached);
+    assert!(plan["cut_tokens"].as_u64().unwrap() > 0, "{plan}");
+    let used = &plan["disk_choice"][0];
+    assert_eq!(used["verdict"], "used", "{plan}");
+    assert_eq!(used["whole"], false, "{plan}");
+    assert!(
+        used["load_s"].as_f64().unwrap() < used["prefill_s"].as_f64().unwrap(),
+        "{plan}"
+    );
+    let req = lines.iter().find(|l| l["event"] == "request").unwrap();
+    assert_eq!(req["cut_tokens"], plan["cut_tokens"]);
+
+    let cold = Server::start(&["--no-kv-disk", "--batched-session", "1"]);
+    let (want, cache) = complete(cold.port, &request);
+    assert!(cache.starts_with("none"), "{cache}");
+    assert_eq!(b["choices"][0]["text"], want["choices"][0]["text"]);
+    drop(cold);
     std::fs::remove_dir_all(dir).unwrap();
 }
 

@@ -398,6 +398,14 @@ impl Session {
         n <= len && (n == 0 || n == len || self.state.can_cut_to(n - 1))
     }
 
+    /// Whether a session that loads a payload of `len` tokens could then be
+    /// rewound to `n` ([`can_rewind`](Self::can_rewind) after the load is the
+    /// answer; this one is optimistic): a checkpoint that can never be cut
+    /// there is not loaded.
+    pub fn could_rewind_loaded(&self, len: usize, n: usize) -> bool {
+        n <= len && (n == 0 || n == len || self.state.could_cut_loaded(len, n - 1))
+    }
+
     /// Cuts the session back to its first `n` tokens, with the logits that follow
     /// them: the state is cut back to `n - 1` tokens and token `n - 1` runs
     /// again (one decode step), which gives exactly the state an uninterrupted

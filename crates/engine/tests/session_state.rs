@@ -166,7 +166,8 @@ fn snapshot_restore_and_rewind_are_exact(f: &Family) {
 /// Past a sliding window: a rewind the state still holds the rows for is
 /// exact; one further back is refused (the session unchanged), and the
 /// answer then is a cold run, whose logits the refused rewind never faked.
-/// Dense families rewind anywhere.
+/// Dense families rewind anywhere. A session about to load the state says
+/// the same beforehand.
 fn rewind_past_the_window_is_exact_or_refused(f: &Family) {
     let p = families::long_prompt(f);
     let mut s = session(f, 1024, Precision::Fast);
@@ -195,6 +196,17 @@ fn rewind_past_the_window_is_exact_or_refused(f: &Family) {
     }
     assert!(s.can_rewind(880), "{}: within the slack", f.name);
     assert_eq!(s.can_rewind(300), f.name != "gemma3", "{}", f.name);
+    // Before a load, an empty session answers as the loaded one will: a
+    // checkpoint is not read only to find it cannot be cut there.
+    let mut payload = Vec::new();
+    s.save_payload(&mut payload).unwrap();
+    for n in [0, 300, 880, 900] {
+        let mut loaded = session(f, 1024, Precision::Fast);
+        let before = loaded.could_rewind_loaded(900, n);
+        loaded.load_payload(&mut payload.as_slice()).unwrap();
+        assert_eq!(before, loaded.can_rewind(n), "{}: rewind to {n}", f.name);
+    }
+    assert!(!s.could_rewind_loaded(900, 901));
 }
 
 fn damaged_payloads_are_rejected_and_leave_the_session_empty(f: &Family) {

@@ -57,7 +57,7 @@ pub enum KvError {
     Changed { path: PathBuf, what: &'static str },
     /// The stored text hashes like the prompt prefix but differs byte-wise (a SHA-1
     /// collision, or the caller passed another prompt than the one it looked up).
-    #[error("kv file {}: stored text is not a prefix of the prompt", path.display())]
+    #[error("kv file {}: stored text does not share the expected prefix with the prompt", path.display())]
     PrefixMismatch { path: PathBuf },
     #[error("invalid kv store request: {0}")]
     InvalidRequest(String),

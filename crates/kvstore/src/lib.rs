@@ -129,5 +129,6 @@ pub use score::{
 };
 pub use store::{
     now_unix, Candidate, EntryInfo, Evicted, Loaded, NearMiss, Notice, Payload, SaveOutcome,
-    SaveRequest, SkipReason, Store, StoreConfig, VerifyReport, EXCERPT_CHARS, STALE_TEMP_AGE_S,
+    SaveRequest, Shared, SkipReason, Store, StoreConfig, VerifyReport, EXCERPT_CHARS,
+    STALE_TEMP_AGE_S,
 };

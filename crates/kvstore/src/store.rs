@@ -31,6 +31,15 @@ pub const STALE_TEMP_AGE_S: u64 = 3600;
 /// Characters of text shown by [`Store::entries`].
 pub const EXCERPT_CHARS: usize = 60;
 
+/// A checkpoint that shares a prefix with a prompt but diverges from it, to load.
+#[derive(Clone, Debug)]
+pub struct Shared {
+    pub candidate: Candidate,
+    /// Bytes its text shares with the prompt.
+    pub common_bytes: usize,
+    pub text: Vec<u8>,
+}
+
 /// A checkpoint that shares a prefix with a prompt but diverges from it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NearMiss {
@@ -143,7 +152,8 @@ pub struct Evicted {
     pub score: f64,
 }
 
-/// The best checkpoint for a prompt, from [`Store::lookup`].
+/// The best checkpoint for a prompt, from [`Store::lookup`], or one sharing a
+/// prefix with it, from [`Store::sharing`].
 #[derive(Clone, Debug)]
 pub struct Candidate {
     /// 40 lowercase hex digits: SHA-1 of the rendered text.
@@ -153,6 +163,9 @@ pub struct Candidate {
     pub header: Header,
     model: ModelId,
     n_ctx: u32,
+    /// `None`: its text is a prefix of the prompt ([`Store::lookup`]);
+    /// `Some(n)`: it shares exactly the first `n` bytes ([`Store::sharing`]).
+    shared: Option<usize>,
 }
 
 /// A verified checkpoint.
@@ -562,12 +575,36 @@ impl Store {
         model: &ModelId,
         n_ctx: u32,
     ) -> Result<Option<NearMiss>, KvError> {
+        Ok(self
+            .sharing(prompt, model, n_ctx, 1)?
+            .into_iter()
+            .next()
+            .map(|s| NearMiss {
+                path: s.candidate.path,
+                tokens: s.candidate.header.tokens,
+                common_bytes: s.common_bytes,
+                text: s.text,
+            }))
+    }
+
+    /// Every compatible checkpoint whose text shares at least `min_common`
+    /// bytes with `prompt` without being a prefix of it, the most shared
+    /// first (then the fewest tokens, the cheaper load): what a partial reuse
+    /// may load ([`Store::load`] checks the shared bytes again). Reads the
+    /// texts (never the payloads).
+    pub fn sharing(
+        &self,
+        prompt: &[u8],
+        model: &ModelId,
+        n_ctx: u32,
+        min_common: usize,
+    ) -> Result<Vec<Shared>, KvError> {
         let live = {
             let mut st = self.lock();
             self.scan(&mut st)?;
             valid_entries(&st)
         };
-        let mut best: Option<NearMiss> = None;
+        let mut found = Vec::new();
         for (name, e) in live {
             if self.compatible(&e.header, model, n_ctx).is_err() {
                 continue;
@@ -584,16 +621,28 @@ impl Store {
                 continue;
             }
             let common = text.iter().zip(prompt).take_while(|(a, b)| a == b).count();
-            if common < text.len() && best.as_ref().is_none_or(|b| common > b.common_bytes) {
-                best = Some(NearMiss {
-                    path,
-                    tokens: e.header.tokens,
+            if common < text.len() && common >= min_common.max(1) {
+                found.push(Shared {
+                    candidate: Candidate {
+                        hash: hex(&e.hash),
+                        path,
+                        header: e.header.clone(),
+                        model: *model,
+                        n_ctx,
+                        shared: Some(common),
+                    },
                     common_bytes: common,
                     text,
                 });
             }
         }
-        Ok(best)
+        found.sort_by(|a, b| {
+            b.common_bytes
+                .cmp(&a.common_bytes)
+                .then(a.candidate.header.tokens.cmp(&b.candidate.header.tokens))
+                .then(a.candidate.path.cmp(&b.candidate.path))
+        });
+        Ok(found)
     }
 
     /// The longest checkpoint whose rendered text is a byte prefix of `prompt`, saved by
@@ -613,6 +662,7 @@ impl Store {
             header,
             model: *model,
             n_ctx,
+            shared: None,
         }))
     }
 
@@ -673,7 +723,8 @@ impl Store {
     // ------------------------------------------------------------------- load
 
     /// Read and verify the candidate fully (sizes, text hash = name, text = prefix of
-    /// `prompt`, body checksum, sections), then bump its hit count and last-used time in
+    /// `prompt` — or, for a candidate from [`Store::sharing`], sharing exactly
+    /// the bytes it shared then — body checksum, sections), then bump its hit count and last-used time in
     /// place. A damaged file is marked skipped and reported as [`KvError::Corrupt`].
     pub fn load(&self, cand: &Candidate, prompt: &[u8]) -> Result<Loaded, KvError> {
         let path = &cand.path;
@@ -700,7 +751,7 @@ impl Store {
                     path: path.clone(),
                     what: m.as_str(),
                 })?;
-            if h.text_bytes > prompt.len() as u64 {
+            if cand.shared.is_none() && h.text_bytes > prompt.len() as u64 {
                 return Err(KvError::Changed {
                     path: path.clone(),
                     what: "text longer than the prompt",
@@ -720,7 +771,13 @@ impl Store {
                 });
             }
         };
-        if body.text[..] != prompt[..body.text.len()] {
+        let common = body
+            .text
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
+        if common != cand.shared.unwrap_or(body.text.len()) {
             return Err(KvError::PrefixMismatch { path: path.clone() });
         }
         let mut header = body.header;

@@ -479,3 +479,35 @@ fn the_nearest_miss_is_the_longest_shared_prefix_that_is_not_a_prefix() {
         .unwrap()
         .is_none());
 }
+
+/// Every checkpoint sharing enough of a prompt is offered, the most shared
+/// first; one loads when it still shares exactly those bytes, and a file
+/// rewritten with other text since is refused.
+#[test]
+fn checkpoints_sharing_a_prefix_are_offered_and_load_with_their_shared_bytes() {
+    let td = TempDir::new("sharing");
+    let store = Store::open(td.store_dir(), big_config()).unwrap();
+    save(
+        &store,
+        &Spec::new(b"system: be brief. user: hello", b"hello"),
+    );
+    save(&store, &Spec::new(b"system: be brief. user: bye", b"bye"));
+    save(&store, &Spec::new(b"system: be", b"prefix"));
+    save(&store, &Spec::new(b"other text", b"other"));
+    let prompt = b"system: be brief. user: help me";
+    let shared = store.sharing(prompt, &MODEL_A, 8192, 10).unwrap();
+    let common: Vec<_> = shared.iter().map(|s| s.common_bytes).collect();
+    assert_eq!(
+        common,
+        [27, 24],
+        "the prefix and the unrelated file are not offered"
+    );
+    let l = store.load(&shared[0].candidate, prompt).unwrap();
+    assert_eq!(l.payload, b"hello");
+    assert_eq!(l.text, b"system: be brief. user: hello");
+    // Another prompt sharing other bytes: the same candidate no longer fits.
+    assert!(store
+        .load(&shared[0].candidate, b"system: be brief. user: hi")
+        .is_err());
+    assert!(store.sharing(prompt, &MODEL_B, 8192, 1).unwrap().is_empty());
+}

@@ -17,6 +17,9 @@ pub enum CacheSource {
     MemoryText,
     /// A disk checkpoint's text is a prefix of the prompt's.
     DiskText,
+    /// A disk checkpoint shares a prefix with the prompt and was cut back to
+    /// its last token inside it.
+    DiskTextPartial,
     None,
 }
 
@@ -26,6 +29,7 @@ impl CacheSource {
             CacheSource::MemoryToken => "memory-token",
             CacheSource::MemoryText => "memory-text",
             CacheSource::DiskText => "disk-text",
+            CacheSource::DiskTextPartial => "disk-text-partial",
             CacheSource::None => "none",
         }
     }
@@ -181,6 +185,9 @@ pub struct Usage {
     pub checkpointed_tokens: usize,
     pub completion_tokens: usize,
     pub cache_source: CacheSource,
+    /// Tokens of the reused state dropped to reach the shared prefix (a
+    /// `disk-text-partial` checkpoint cut back; 0 otherwise).
+    pub cut_tokens: usize,
     /// Set when a candidate state offered more than was reused: why.
     pub miss: Option<Box<Divergence>>,
     /// The slot that ran it.

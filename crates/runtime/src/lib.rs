@@ -2,7 +2,8 @@
 //! process and without HTTP: a [`Job`] (a rendered, tokenized prompt and its
 //! generation parameters) goes to one of N slots (sessions), is positioned at
 //! the longest reusable prefix (the reuse plan: memory-token, memory-text,
-//! disk-text, none, with the explanation of a miss), prefilled in steps that
+//! disk-text, disk-text-partial, none, with the explanation of a miss and the
+//! weighing of disk loads), prefilled in steps that
 //! yield to decoding slots, and generated under its sampler, stop sequences and
 //! grammar, every busy slot advancing in one batched forward pass per step.
 //! Checkpoints are saved by the store's policy (cold, continued, client
@@ -24,7 +25,8 @@ pub use job::{
     SubmitError, TokenLimit, Usage,
 };
 pub use notice::{discard, Finished, Notice, NoticeSink, Planned};
-pub use persist::{model_id, Persist, StoreUsage};
+pub use persist::{model_id, Offers, Persist, Rates, Restored, StoreUsage};
+pub use plan::{Verdict, Weighed};
 pub use scheduler::{Runtime, RuntimeConfig, RuntimeHandle, SlotInfo};
 pub use template::template_for;
 pub use tool_memory::{ReplayStats, ToolMemory, SECTION_TOOL_IDS};

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use ds4_kvstore::SaveReason;
 
 use crate::job::{CacheSource, Divergence, FinishReason};
+use crate::plan::Weighed;
 
 /// One thing that happened.
 #[derive(Clone, Debug)]
@@ -75,10 +76,15 @@ pub struct Planned {
     pub slot: usize,
     pub source: CacheSource,
     pub reused: usize,
+    /// Tokens of the loaded checkpoint dropped to reach the shared prefix.
+    pub cut: usize,
     pub prompt_tokens: usize,
     /// The checkpoint restored or saved while planning, if any.
     pub checkpoint: Option<PathBuf>,
     pub miss: Option<Box<Divergence>>,
+    /// The disk checkpoints weighed (load against prefill) and what became
+    /// of each.
+    pub weighed: Vec<Weighed>,
     /// Seconds the job waited for a slot.
     pub queue_s: f64,
 }
@@ -95,6 +101,7 @@ pub struct Finished {
     pub prompt_tokens: usize,
     pub source: CacheSource,
     pub reused: usize,
+    pub cut: usize,
     pub checkpoint: Option<PathBuf>,
     pub checkpointed: usize,
     pub prefill_s: f64,
@@ -130,18 +137,20 @@ impl std::fmt::Display for Notice {
         match self {
             Notice::Planned(p) => write!(
                 f,
-                "slot {}: cache={} reused={} prompt={} queued={:.2}s",
+                "slot {}: cache={} reused={}{} prompt={} queued={:.2}s",
                 p.slot,
                 p.source.as_str(),
                 p.reused,
+                cut(p.cut),
                 p.prompt_tokens,
                 p.queue_s
             ),
             Notice::Finished(r) => write!(
                 f,
-                "request: cache={} reused={} prompt={} prefill={:.2}s generated={} decode={:.2}s finish={}{} slot={}{}",
+                "request: cache={} reused={}{} prompt={} prefill={:.2}s generated={} decode={:.2}s finish={}{} slot={}{}",
                 r.source.as_str(),
                 r.reused,
+                cut(r.cut),
                 r.prompt_tokens,
                 r.prefill_s,
                 r.generated,
@@ -199,5 +208,14 @@ impl std::fmt::Display for Notice {
             }
             Notice::Store(s) => f.write_str(s),
         }
+    }
+}
+
+/// ` cut=N` when a checkpoint was cut back, else nothing.
+fn cut(n: usize) -> String {
+    if n > 0 {
+        format!(" cut={n}")
+    } else {
+        String::new()
     }
 }

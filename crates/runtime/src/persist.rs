@@ -10,7 +10,8 @@ use std::time::Instant;
 
 use ds4_engine::{KvType, Session};
 use ds4_kvstore::{
-    ModelId, Payload, SaveOutcome, SavePolicy, SaveReason, SaveRequest, Store, EXT_TOOL_ID_MAP,
+    Candidate, ModelId, Payload, SaveOutcome, SavePolicy, SaveReason, SaveRequest, Shared, Store,
+    EXT_TOOL_ID_MAP,
 };
 
 use crate::notice::{Notice, NoticeSink};
@@ -40,10 +41,69 @@ pub fn model_id(session: &Session) -> ModelId {
     }
 }
 
+/// What loading a checkpoint costs and what prefilling saves, as measured by
+/// this process's loads and prefills (defaults until the first of each): the
+/// reuse plan weighs a load against the prefill it saves.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rates {
+    pub load_bytes_per_s: f64,
+    pub prefill_tokens_per_s: f64,
+    measured_load: bool,
+    measured_prefill: bool,
+}
+
+impl Default for Rates {
+    /// A disk read from the page cache or a fast SSD, and a slow prefill: until
+    /// measured, loading is favoured (as before loads were weighed).
+    fn default() -> Self {
+        Rates {
+            load_bytes_per_s: 1e9,
+            prefill_tokens_per_s: 200.0,
+            measured_load: false,
+            measured_prefill: false,
+        }
+    }
+}
+
+impl Rates {
+    /// Folds a measurement into a rate: the first replaces the default, later
+    /// ones move it a third of the way (one slow disk read does not decide).
+    fn fold(rate: &mut f64, measured: &mut bool, new: f64) {
+        if !new.is_finite() || new <= 0.0 {
+            return;
+        }
+        *rate = if *measured {
+            *rate + (new - *rate) / 3.0
+        } else {
+            new
+        };
+        *measured = true;
+    }
+
+    /// Seconds loading `bytes` takes.
+    pub fn load_s(&self, bytes: u64) -> f64 {
+        bytes as f64 / self.load_bytes_per_s
+    }
+
+    /// Seconds prefilling `tokens` takes.
+    pub fn prefill_s(&self, tokens: usize) -> f64 {
+        tokens as f64 / self.prefill_tokens_per_s
+    }
+}
+
+/// What the store offers a prompt: the longest checkpoint whose text is a
+/// prefix of it, and those sharing a prefix with it, the most shared first.
+pub struct Offers {
+    pub whole: Option<Candidate>,
+    pub sharing: Vec<Shared>,
+}
+
 /// A checkpoint loaded into a session.
 pub struct Restored {
-    /// Bytes of the prompt its text covers.
+    /// Bytes of its text.
     pub covered: usize,
+    /// Bytes its text shares with the prompt (`covered` for a prefix).
+    pub common_bytes: usize,
     pub path: PathBuf,
 }
 
@@ -62,6 +122,10 @@ pub struct Persist {
     /// The sessions' K/V type, and the identity of checkpoints of the other type.
     kv_type: KvType,
     other_kv: (KvType, ModelId),
+    rates: Rates,
+    /// Consider only checkpoints whose whole text is a prefix of the prompt
+    /// (the rule before partial reuse; for comparisons).
+    whole_only: bool,
     notices: NoticeSink,
 }
 
@@ -98,7 +162,34 @@ impl Persist {
                     ..model
                 },
             ),
+            rates: Rates::default(),
+            whole_only: false,
             notices,
+        }
+    }
+
+    /// Uses only checkpoints whose whole text is a prefix of a prompt (the
+    /// rule before partial reuse), for comparing the two.
+    pub fn whole_prefix_only(mut self) -> Self {
+        self.whole_only = true;
+        self
+    }
+
+    /// The load and prefill rates loads are weighed with.
+    pub fn rates(&self) -> Rates {
+        self.rates
+    }
+
+    /// Records a prefill of `tokens` that took `secs` (short ones say more
+    /// about overheads than the rate, and are ignored).
+    pub fn note_prefill(&mut self, tokens: usize, secs: f64) {
+        if tokens >= 64 {
+            let r = &mut self.rates;
+            Rates::fold(
+                &mut r.prefill_tokens_per_s,
+                &mut r.measured_prefill,
+                tokens as f64 / secs,
+            );
         }
     }
 
@@ -145,26 +236,70 @@ impl Persist {
         session: &mut Session,
         prompt: &[u8],
     ) -> Option<Restored> {
+        let cand = self.whole_offer(prompt, session.n_ctx())?;
+        self.load_into(slot, session, &cand, prompt)
+    }
+
+    /// The checkpoints a prompt may start from: the longest whose text is a
+    /// prefix of it, and (unless [`whole_prefix_only`](Self::whole_prefix_only))
+    /// those sharing at least the store's minimum in bytes with it.
+    pub fn offers(&self, prompt: &[u8], n_ctx: usize) -> Offers {
+        let min = self.min_tokens();
+        let sharing = if self.whole_only {
+            vec![]
+        } else {
+            // A token is at least a byte: sharing fewer bytes than the
+            // minimum cannot reuse the minimum. A failing store offers none
+            // (the lookup reports it).
+            self.store
+                .sharing(prompt, &self.model, n_ctx as u32, min)
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|s| s.candidate.header.tokens as usize >= min)
+                .collect()
+        };
+        Offers {
+            whole: self.whole_offer(prompt, n_ctx),
+            sharing,
+        }
+    }
+
+    /// The longest checkpoint whose text is a prefix of `prompt`, of at least
+    /// the store's minimum; a miss is explained, a failing store reported.
+    fn whole_offer(&self, prompt: &[u8], n_ctx: usize) -> Option<Candidate> {
+        match self.store.lookup(prompt, &self.model, n_ctx as u32) {
+            Ok(Some(c)) if c.header.tokens as usize >= self.min_tokens() => Some(c),
+            Ok(_) => {
+                self.explain_miss(prompt, n_ctx);
+                None
+            }
+            Err(e) => {
+                (self.notices)(Notice::LoadFailed {
+                    path: None,
+                    why: format!("lookup failed: {e}"),
+                });
+                self.drain_store_notices();
+                None
+            }
+        }
+    }
+
+    /// Loads checkpoint `cand` (from [`offers`](Self::offers) for `prompt`)
+    /// into the (empty) session of slot `slot`; `None` on any failure, which
+    /// is reported and leaves the session empty.
+    pub fn load_into(
+        &mut self,
+        slot: usize,
+        session: &mut Session,
+        cand: &Candidate,
+        prompt: &[u8],
+    ) -> Option<Restored> {
         let t = Instant::now();
         let not_restored = |this: &Self, path: Option<PathBuf>, why: String| {
             (this.notices)(Notice::LoadFailed { path, why });
             this.drain_store_notices();
         };
-        let cand = match self
-            .store
-            .lookup(prompt, &self.model, session.n_ctx() as u32)
-        {
-            Ok(Some(c)) if c.header.tokens as usize >= self.policy().min_tokens => c,
-            Ok(_) => {
-                self.explain_miss(prompt, session.n_ctx());
-                return None;
-            }
-            Err(e) => {
-                not_restored(self, None, format!("lookup failed: {e}"));
-                return None;
-            }
-        };
-        let loaded = match self.store.load(&cand, prompt) {
+        let loaded = match self.store.load(cand, prompt) {
             Ok(l) => l,
             Err(e) => {
                 not_restored(self, Some(cand.path.clone()), e.to_string());
@@ -194,16 +329,31 @@ impl Persist {
                 m.load_section(&s.bytes);
             }
         }
+        let secs = t.elapsed().as_secs_f64();
+        if let Some(bytes) = cand.header.file_bytes().filter(|&b| b >= 1 << 20) {
+            let r = &mut self.rates;
+            Rates::fold(
+                &mut r.load_bytes_per_s,
+                &mut r.measured_load,
+                bytes as f64 / secs,
+            );
+        }
         (self.notices)(Notice::Restored {
             slot,
             tokens: session.tokens().len(),
             text_bytes: loaded.text.len(),
-            load_ms: t.elapsed().as_secs_f64() * 1e3,
+            load_ms: secs * 1e3,
             path: cand.path.clone(),
         });
         Some(Restored {
             covered: loaded.text.len(),
-            path: cand.path,
+            common_bytes: loaded
+                .text
+                .iter()
+                .zip(prompt)
+                .take_while(|(a, b)| a == b)
+                .count(),
+            path: cand.path.clone(),
         })
     }
 
@@ -237,12 +387,15 @@ impl Persist {
 
     /// Reports a restored checkpoint that is not used after all: its tokens read
     /// the prompt's text with control tokens elsewhere (special-token text
-    /// typed in content).
-    pub fn refuse(&self, path: &std::path::Path) {
+    /// typed in content), or (`why`) it cannot be cut back where it departs.
+    pub fn refuse(&self, path: &std::path::Path, why: Option<&str>) {
         (self.notices)(Notice::LoadFailed {
             path: Some(path.to_path_buf()),
-            why: "its tokens read the prompt's text with control tokens elsewhere \
-                  (special-token text typed in content)"
+            why: why
+                .unwrap_or(
+                    "its tokens read the prompt's text with control tokens elsewhere \
+                     (special-token text typed in content)",
+                )
                 .into(),
         });
     }

@@ -287,6 +287,7 @@ impl Run {
             checkpointed_tokens: checkpointed,
             completion_tokens: self.gen.as_ref().map_or(0, |g| g.generated),
             cache_source: self.plan.source,
+            cut_tokens: self.plan.cut,
             miss: self.plan.miss.clone(),
             slot,
             queue_s: self.queue_s,
@@ -509,8 +510,11 @@ impl Engine {
             &job.prompt,
             ids,
         );
-        if plan.source == crate::job::CacheSource::DiskText {
-            slot.frontier = slot.session.tokens().len();
+        if matches!(
+            plan.source,
+            crate::job::CacheSource::DiskText | crate::job::CacheSource::DiskTextPartial
+        ) {
+            slot.frontier = plan.reused;
         } else if plan.reused == 0 {
             slot.frontier = 0;
         }
@@ -518,8 +522,9 @@ impl Engine {
             Ok(m) => m,
             Err(o) => return fail(self, job, JobError::ContextLength(o)),
         };
-        // Memory reuse may need the session cut back to the shared prefix (a
-        // rewind recomputes one token; `plan` checked that it can).
+        // Memory reuse and a partial checkpoint need the session cut back to
+        // the shared prefix (a rewind recomputes one token; `plan` checked
+        // that it can).
         if slot.session.tokens().len() > plan.reused {
             if let Err(e) = slot.session.rewind(plan.reused) {
                 return fail(self, job, engine(e));
@@ -530,9 +535,11 @@ impl Engine {
             slot: slot.id,
             source: plan.source,
             reused: plan.reused,
+            cut: plan.cut,
             prompt_tokens: plan.ids.len(),
             checkpoint: plan.checkpoint.clone(),
             miss: plan.miss.clone(),
+            weighed: plan.weighed.clone(),
             queue_s,
         })));
         if job.events.is_closed() {
@@ -713,6 +720,10 @@ impl Engine {
         let Some(run) = self.slots[i].run.as_deref_mut() else {
             return;
         };
+        if let Some(p) = &mut self.persist {
+            // What this prefill cost is what the next plan weighs a load against.
+            p.note_prefill(run.plan.ids.len() - run.plan.reused, run.prefill_s);
+        }
         let job = &mut run.job;
         run.gen = Some(Generation::new(
             Sampler::new(job.sampling.clone()),
@@ -839,6 +850,7 @@ impl Engine {
             prompt_tokens: run.plan.ids.len(),
             source: run.plan.source,
             reused: run.plan.reused,
+            cut: run.plan.cut,
             checkpoint: run.plan.checkpoint,
             checkpointed,
             prefill_s: run.prefill_s,

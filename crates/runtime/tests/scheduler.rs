@@ -4,13 +4,15 @@
 //! its bound; cancellation leaves a consistent slot; a long prefill yields to
 //! decoding slots.
 
+mod common;
+
 use std::sync::{Arc, Mutex, OnceLock};
 
-use ds4_engine::{KvType, Model, Precision, SamplerConfig, Session, SessionOptions, ThreadPool};
+use common::{collect, greedy_job};
+use ds4_engine::{KvType, Model, Precision, Session, SessionOptions, ThreadPool};
 use ds4_kvstore::{SaveReason, Store, StoreConfig};
 use ds4_runtime::{
-    CacheSource, Event, FinishReason, Job, Notice, Persist, Runtime, RuntimeConfig, SubmitError,
-    TokenLimit, Usage,
+    CacheSource, Event, FinishReason, Notice, Persist, Runtime, RuntimeConfig, SubmitError,
 };
 use tokio::sync::mpsc;
 
@@ -78,24 +80,8 @@ impl Rt {
         max_tokens: usize,
         affinity: &[&str],
     ) -> Result<mpsc::Receiver<Event>, SubmitError> {
-        let (tx, rx) = mpsc::channel(1024);
-        let job = Job {
-            id: format!("job-{prompt:.10}"),
-            route: "test".into(),
-            prompt: prompt.into(),
-            ids: model().tokenizer.encode(prompt, true, true),
-            sampling: SamplerConfig {
-                temperature: 0.0,
-                ..Default::default()
-            },
-            limit: TokenLimit::Requested(max_tokens),
-            stop: vec![],
-            affinity: affinity.iter().map(|s| s.to_string()).collect(),
-            breakpoints: vec![],
-            gate: None,
-            meta: serde_json::Value::Null,
-            events: tx,
-        };
+        let ids = model().tokenizer.encode(prompt, true, true);
+        let (job, rx) = greedy_job(prompt, ids, max_tokens, affinity, vec![]);
         self.rt.as_ref().unwrap().handle.submit(job).map(|()| rx)
     }
 
@@ -116,20 +102,6 @@ impl Drop for Rt {
             rt.join();
         }
     }
-}
-
-/// Collects a job's events: its text, finish and usage.
-fn collect(mut rx: mpsc::Receiver<Event>) -> (String, FinishReason, Usage) {
-    let mut text = String::new();
-    while let Some(e) = rx.blocking_recv() {
-        match e {
-            Event::Text(t) => text.push_str(&t),
-            Event::Done { finish, usage } => return (text, finish, usage),
-            Event::Failed(e) => panic!("job failed: {e}"),
-            Event::Started(_) | Event::Progress { .. } => {}
-        }
-    }
-    panic!("no Done event")
 }
 
 fn chat(user: &str) -> String {

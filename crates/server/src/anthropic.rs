@@ -1045,6 +1045,7 @@ mod tests {
             checkpointed_tokens: checkpointed,
             completion_tokens: 9,
             cache_source: CacheSource::None,
+            cut_tokens: 0,
             miss: None,
             slot: 0,
             queue_s: 0.0,

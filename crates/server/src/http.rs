@@ -546,8 +546,9 @@ fn sse(
     )
 }
 
-/// `x-ds4-cache: SOURCE; reused=N; prompt=M`, for clients and operators, and
-/// when a candidate offered more than was reused, where the prompt diverged from
+/// `x-ds4-cache: SOURCE; reused=N; prompt=M` (with `; cut=K` when a
+/// `disk-text-partial` checkpoint was cut back by K tokens), for clients and
+/// operators, and when a candidate offered more than was reused, where the prompt diverged from
 /// it (`; candidate=memory; offered=K; diverge_byte=B; diverge_token=T;
 /// prompt_bytes="..."; candidate_bytes="..."`, escaped to ASCII).
 fn cache_header(r: &mut Response, u: &Usage) {
@@ -557,6 +558,9 @@ fn cache_header(r: &mut Response, u: &Usage) {
         u.cached_tokens,
         u.prompt_tokens
     );
+    if u.cut_tokens > 0 {
+        v.push_str(&format!("; cut={}", u.cut_tokens));
+    }
     if let Some(m) = &u.miss {
         v.push_str("; ");
         v.push_str(&m.describe());

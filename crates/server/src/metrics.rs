@@ -20,7 +20,7 @@ pub struct Metrics {
     decode_micros: AtomicU64,
     queue_micros: AtomicU64,
     /// Indexed like [`SOURCES`].
-    cache_hits: [AtomicU64; 4],
+    cache_hits: [AtomicU64; 5],
     kv_files: AtomicU64,
     kv_bytes: AtomicU64,
     kv_evictions: AtomicU64,
@@ -28,10 +28,11 @@ pub struct Metrics {
     connections_refused: AtomicU64,
 }
 
-const SOURCES: [CacheSource; 4] = [
+const SOURCES: [CacheSource; 5] = [
     CacheSource::MemoryToken,
     CacheSource::MemoryText,
     CacheSource::DiskText,
+    CacheSource::DiskTextPartial,
     CacheSource::None,
 ];
 
@@ -292,6 +293,7 @@ mod tests {
             "ds4_prefill_seconds_total 0.500000",
             "ds4_cache_hits_total{source=\"memory-text\"} 1",
             "ds4_cache_hits_total{source=\"none\"} 0",
+            "ds4_cache_hits_total{source=\"disk-text-partial\"} 0",
             "ds4_kv_store_files 2",
             "ds4_kv_store_bytes 1000",
             "ds4_kv_store_evictions_total 1",

@@ -22,9 +22,15 @@ pub fn sink(metrics: Arc<Metrics>, trace: Option<Arc<Trace>>) -> NoticeSink {
                     t.write(json!({
                         "event": "cache", "id": p.job, "slot": p.slot, "queue_s": p.queue_s,
                         "cache_source": p.source.as_str(), "reused_tokens": p.reused,
-                        "prompt_tokens": p.prompt_tokens,
+                        "cut_tokens": p.cut, "prompt_tokens": p.prompt_tokens,
                         "checkpoint_file": p.checkpoint.as_ref().map(|f| f.display().to_string()),
                         "miss": p.miss.as_ref().map(|m| m.describe()),
+                        "disk_choice": p.weighed.iter().map(|w| json!({
+                            "file": w.path.display().to_string(), "whole": w.whole,
+                            "tokens": w.tokens, "reusable_tokens": w.reusable,
+                            "file_bytes": w.file_bytes, "load_s": w.load_s,
+                            "prefill_s": w.prefill_s, "verdict": w.verdict.as_str(),
+                        })).collect::<Vec<_>>(),
                     }));
                 }
             }
@@ -43,7 +49,7 @@ pub fn sink(metrics: Arc<Metrics>, trace: Option<Arc<Trace>>) -> NoticeSink {
                         "event": "request", "id": r.job, "route": r.route, "slot": r.slot,
                         "prompt": t.prompt(&r.prompt), "prompt_tokens": r.prompt_tokens,
                         "cache_source": r.source.as_str(), "reused_tokens": r.reused,
-                        "checkpoint_file": r.checkpoint.as_ref().map(|f| f.display().to_string()),
+                        "cut_tokens": r.cut, "checkpoint_file": r.checkpoint.as_ref().map(|f| f.display().to_string()),
                         "prefilled_tokens": r.prompt_tokens - r.reused,
                         "checkpointed_tokens": r.checkpointed, "queue_s": r.queue_s,
                         "prefill_s": r.prefill_s, "decode_s": r.decode_s,

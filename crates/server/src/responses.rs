@@ -1039,6 +1039,7 @@ mod tests {
             checkpointed_tokens: 0,
             completion_tokens: 3,
             cache_source: CacheSource::MemoryToken,
+            cut_tokens: 0,
             miss: None,
             slot: 0,
             queue_s: 0.0,

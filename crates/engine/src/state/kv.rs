@@ -306,6 +306,16 @@ impl SeqState for KvState {
             })
     }
 
+    fn could_cut_loaded(&self, len: usize, n: usize) -> bool {
+        // A loaded ring holds at most its own rows: its oldest position is at
+        // least `len - rows`.
+        n <= len
+            && self.layers.iter().all(|l| match l.spec.window {
+                Some(w) => len.saturating_sub(l.rows) <= (n + 1).saturating_sub(w),
+                None => true,
+            })
+    }
+
     fn cut_to(&mut self, n: usize) {
         debug_assert!(self.can_cut_to(n));
         self.len = n;

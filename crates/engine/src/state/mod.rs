@@ -49,6 +49,15 @@ pub(crate) trait SeqState: Send {
     /// false; the caller then restores a snapshot or prefills again.
     fn can_cut_to(&self, n: usize) -> bool;
 
+    /// Whether a state of `len` tokens read from a payload (holding at most the
+    /// rows this layout keeps) could be cut back to `n` tokens: asked before
+    /// loading a checkpoint only to cut it, so a load that could never serve
+    /// is not paid for. Optimistic: [`can_cut_to`](Self::can_cut_to) decides
+    /// after the load. The default knows nothing better than `n <= len`.
+    fn could_cut_loaded(&self, len: usize, n: usize) -> bool {
+        n <= len
+    }
+
     /// Cuts back to `n` tokens; the caller has checked [`can_cut_to`](Self::can_cut_to).
     fn cut_to(&mut self, n: usize);
 
