@@ -31,3 +31,12 @@ DS4_BIN="$PWD/target/release/ds4" PYTHONDONTWRITEBYTECODE=1 \
 # `--budget 900` runs a longer sweep.
 DS4_BIN="$PWD/target/release/ds4" PYTHONDONTWRITEBYTECODE=1 \
     "$venv/bin/python" tests/redteam/redteam.py --budget 120
+
+# The agent CLIs themselves (tests/clients/run.py): Claude Code, Codex CLI and
+# opencode at pinned versions, installed from npm into .cache/npm-clients on the
+# first run and reused after, each run non-interactively against `ds4 serve` in
+# a scratch git repository on a task that needs a tool, with a server restart
+# before the request that brings the tool result back. Needs node/npm and the
+# npm registry on the first run.
+PYTHONDONTWRITEBYTECODE=1 DS4_BIN="$PWD/target/release/ds4" \
+    python3 tests/clients/run.py

@@ -275,6 +275,12 @@ def make_handler(recorder):
         def log_message(self, *a):
             pass
 
+        def handle(self):
+            try:
+                super().handle()
+            except ConnectionError:
+                pass  # a client closing an idle keep-alive connection
+
         def _body(self):
             if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
                 out = b""
@@ -408,6 +414,11 @@ def client_command(name, url, home, repo):
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
             "DISABLE_AUTOUPDATER": "1",
             "API_TIMEOUT_MS": "3600000",
+            # Its stream watchdogs count events, not the server's keep-alive
+            # comments: without these it drops a 21k-token cold prefill after
+            # ~300 s and retries (the retry resumes from the continued save).
+            "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000",
+            "CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS": "3600000",
         })  # fmt: skip
         task = "Use the Read tool to read notes.txt, then tell me the number in it."
         argv = [str(bin_), "-p", task, "--max-turns", "4", "--output-format", "text"]
