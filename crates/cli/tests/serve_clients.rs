@@ -42,9 +42,8 @@ fn capped(path: &str, mut body: Value) -> Value {
 
 /// (source, reused, prompt) of an `x-ds4-cache` header.
 fn cache(h: &str) -> (String, u64, u64) {
-    let mut it = h.split(';').map(str::trim);
-    let source = it.next().unwrap().to_string();
-    let mut num = |k: &str| {
+    let source = h.split(';').next().unwrap().trim().to_string();
+    let num = |k: &str| {
         h.split(';')
             .map(str::trim)
             .find_map(|p| p.strip_prefix(k))
@@ -102,8 +101,9 @@ fn recorded_client_sessions_replay_with_tool_calls_and_prefix_reuse() {
         let session: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
         let dir = temp_dir(&format!("clients-{}", &name[..name.find('-').unwrap()]));
         let trace = dir.join("trace.jsonl");
+        let kv = dir.join("kv");
         let mut args = vec!["--ctx", "32768", "--tool-first", "--threads", "2"];
-        args.extend(kv_flags(&dir.join("kv")));
+        args.extend(kv_flags(&kv));
         args.extend(["--trace", trace.to_str().unwrap()]);
         let mut server = Server::start(&args);
         let reqs = session["requests"].as_array().unwrap();
@@ -161,9 +161,9 @@ fn recorded_client_sessions_replay_with_tool_calls_and_prefix_reuse() {
                 let text = std::fs::read_to_string(&trace).unwrap();
                 let last = text
                     .lines()
+                    .rev()
                     .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-                    .filter(|e| e["event"] == "request")
-                    .last()
+                    .find(|e| e["event"] == "request")
                     .unwrap();
                 let prompt = last["prompt"]["prompt"].as_str().unwrap();
                 for c in reqs[..i]
