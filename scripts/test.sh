@@ -31,3 +31,4 @@ DS4_BIN="$PWD/target/release/ds4" PYTHONDONTWRITEBYTECODE=1 \
 # `--budget 900` runs a longer sweep.
 DS4_BIN="$PWD/target/release/ds4" PYTHONDONTWRITEBYTECODE=1 \
     "$venv/bin/python" tests/redteam/redteam.py --budget 120
+

@@ -98,6 +98,13 @@ pub struct ServeArgs {
     #[arg(long = "batched-session", default_value_t = 4, value_name = "N",
           value_parser = clap::value_parser!(u32).range(1..=64))]
     pub slots: u32,
+    /// Answer the first request of each user turn with a tool call when the
+    /// client offers tools and leaves `tool_choice` auto (as if `required`: the
+    /// model picks the tool and its arguments, held to the call grammar); the
+    /// request that brings the result back is answered freely. For models too
+    /// small to open a call on their own (the agent-client tests use it).
+    #[arg(long)]
+    pub tool_first: bool,
     /// Prompt tokens a prefilling slot runs per step while other slots
     /// generate (a long cold prompt then delays their tokens by one such step
     /// at most); with nothing generating it runs whole --prefill-chunk steps.
@@ -192,6 +199,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
             .map_or_else(|| "ds4".into(), |s| s.to_string_lossy().into_owned()),
         normalize: (!a.no_normalize_prompts).then(|| a.normalize_regex.clone()),
         n_ctx,
+        tool_first: a.tool_first,
     };
     let max_body = cfg
         .max_body_bytes

@@ -54,6 +54,10 @@ pub struct ServerConfig {
     pub normalize: Option<Vec<String>>,
     /// The session's context size (thinking modes are gated on it).
     pub n_ctx: usize,
+    /// `--tool-first`: a request that opens a user turn (a user message and no
+    /// tool result since the last assistant message) with tools offered and
+    /// `tool_choice` auto is answered with a call, as if `required`.
+    pub tool_first: bool,
 }
 
 impl Default for ServerConfig {
@@ -68,6 +72,7 @@ impl Default for ServerConfig {
             model_name: "ds4".into(),
             normalize: Some(vec![]),
             n_ctx: 8192,
+            tool_first: false,
         }
     }
 }

@@ -5,8 +5,8 @@
 //! it is tokenized (`Tokenizer::min_tokens`), then tokenized and refused
 //! exactly, and its grammar compiled.
 
-use ds4_chat::tools::ToolParser;
-use ds4_chat::{Prompt, RenderOptions, ThinkMode};
+use ds4_chat::tools::{ToolChoice, ToolParser};
+use ds4_chat::{Message, Prompt, RenderOptions, Role, ThinkMode};
 use ds4_engine::tokenizer::Segment;
 use ds4_engine::Tokenizer;
 use serde_json::json;
@@ -150,6 +150,9 @@ fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'static str> {
         }
     };
     st.normalizer.apply(messages);
+    if st.cfg.tool_first && p.agent.tool_choice == ToolChoice::Auto && opens_user_turn(messages) {
+        p.agent.tool_choice = ToolChoice::Required;
+    }
     let replay = st.tool_memory.attach(messages);
     let think = if t.supports_thinking() {
         p.agent.think.for_context(st.cfg.n_ctx)
@@ -264,5 +267,36 @@ fn compile(st: &AppState, id: &str, plan: GrammarPlan) -> Result<Option<Gate>, S
             }
             Ok(None)
         }
+    }
+}
+
+/// Whether `messages` open a user turn: a user message since the last assistant
+/// message, and no tool result (the first request of a task, not the one that
+/// brings a call's result back). `--tool-first` forces a call on those.
+fn opens_user_turn(messages: &[Message]) -> bool {
+    let since = messages
+        .iter()
+        .rposition(|m| m.role == Role::Assistant)
+        .map_or(messages, |i| &messages[i + 1..]);
+    since.iter().any(|m| m.role == Role::User) && !since.iter().any(|m| m.role == Role::Tool)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_user_turn_opens_until_a_tool_result_comes_back() {
+        let m = |role| Message::new(role, "x");
+        use Role::*;
+        assert!(opens_user_turn(&[m(System), m(User)]));
+        assert!(opens_user_turn(&[m(User), m(Assistant), m(User)]));
+        assert!(opens_user_turn(&[m(System), m(User), m(System)]));
+        // The call's result is back: the model answers freely.
+        assert!(!opens_user_turn(&[m(User), m(Assistant), m(Tool)]));
+        assert!(!opens_user_turn(&[m(User), m(Assistant), m(Tool), m(User)]));
+        assert!(!opens_user_turn(&[m(User), m(Assistant)]));
+        assert!(!opens_user_turn(&[m(System)]));
+        assert!(!opens_user_turn(&[]));
     }
 }

@@ -284,7 +284,13 @@ fn input_item(out: &mut Vec<Message>, item: &Value, i: usize) -> Result<(), BadR
                 other => content_text(other, i)?,
             };
             let mut m = Message::new(Role::Tool, output);
-            m.tool_call_id = Some(item_str(obj, "call_id", i)?.to_string());
+            // Codex also sends outputs that answer no call (its goal tools add
+            // one with `name` and `namespace` but no `call_id`): a result
+            // without an id, rendered as any other.
+            m.tool_call_id = match obj.get("call_id") {
+                None => None,
+                Some(_) => Some(item_str(obj, "call_id", i)?.to_string()),
+            };
             out.push(m);
             return Ok(());
         }
@@ -846,6 +852,27 @@ mod tests {
     }
 
     #[test]
+    fn an_output_that_answers_no_call_is_a_tool_result_without_an_id() {
+        // Codex 0.171.0 after a `create_goal` call: the call's output, then
+        // an output of its own with `name` and `namespace` and no `call_id`.
+        let (p, _) = parse(
+            br#"{"input":[{"role":"user","content":"go"},
+            {"type":"function_call","call_id":"call_1","name":"create_goal","arguments":"{}"},
+            {"type":"function_call_output","call_id":"call_1","output":"{\"goal\":1}"},
+            {"type":"function_call_output","id":"fco_2","name":"goal_objective","namespace":"agent","output":"ship it"}]}"#,
+        )
+        .unwrap();
+        let m = messages(&p);
+        assert_eq!(m.len(), 4);
+        assert_eq!(m[2].tool_call_id.as_deref(), Some("call_1"));
+        assert_eq!(
+            (m[3].role, m[3].tool_call_id.as_deref()),
+            (Role::Tool, None)
+        );
+        assert_eq!(m[3].content, "ship it");
+    }
+
+    #[test]
     fn function_calls_join_their_assistant_turn_and_outputs_are_tool_messages() {
         let (p, _) = parse(
             br#"{"input":[{"role":"user","content":"ls"},
@@ -928,6 +955,11 @@ mod tests {
             ),
             (
                 r#"{"input":[{"type":"function_call","name":"f","arguments":"{}"}]}"#,
+                "input",
+                "input[0].call_id must be a string",
+            ),
+            (
+                r#"{"input":[{"type":"function_call_output","call_id":7,"output":"x"}]}"#,
                 "input",
                 "input[0].call_id must be a string",
             ),
