@@ -426,15 +426,14 @@ fn chat_resumes_from_disk_and_kv_tools_maintain_the_store() {
     );
     let third = chat_once(&kv, q);
     let err3 = stderr(&third);
+    // The shutdown checkpoint (the question and its answer) serves instead,
+    // cut back to the question.
     assert!(
-        err3.contains("kv cache load failed") && err3.contains("nothing reused"),
+        err3.contains("kv cache load failed") && err3.contains("a checkpoint cut back by"),
         "{err3}"
     );
     assert_eq!(stdout(&third), stdout(&first));
-    // The cold save of that run replaced the damaged file with a good one.
-    assert!(stdout(&run_ok(&[&["kv", "verify"][..], &kv_arg].concat()))
-        .contains("2 checked, 2 ok, 0 bad"));
-    std::fs::write(cold_file, &bytes).unwrap();
+    // Nothing was prefilled, so no cold save replaced the damaged file.
     let fixed = stdout(&run_ok(&[&["kv", "verify", "--fix"][..], &kv_arg].concat()));
     assert!(
         fixed.contains("removed") && fixed.contains("1 bad"),
