@@ -235,7 +235,7 @@ fn responses_errors_are_400s_in_openais_shape() {
             post(
                 p,
                 "/v1/responses",
-                &json!({"input": [{"type": "function_call_output", "output": "ok"}]}),
+                &json!({"input": [{"type": "function_call_output", "call_id": 7, "output": "ok"}]}),
             ),
             400,
             Some("input"),
