@@ -209,6 +209,15 @@ impl HermesParser {
                         return events;
                     };
                     let body_end = open.close_search_from + found;
+                    if ends_in_string(&self.whole[open.body_start..body_end]) {
+                        // `</tool_call>` inside a JSON string is the string's
+                        // text (a grammar-held call may write it there).
+                        self.open = Some(OpenCall {
+                            close_search_from: body_end + 1,
+                            ..open
+                        });
+                        continue;
+                    }
                     let block_end = body_end + CALL_CLOSE.len();
                     match parse_call_body(&self.whole[open.body_start..body_end]) {
                         Ok(call) => {
@@ -278,6 +287,20 @@ fn held_tail_len(text: &str) -> usize {
     let marker_prefix = held_tail(text, CALL_OPEN);
     let before = &text[..text.len() - marker_prefix];
     marker_prefix + before.len() - before.trim_end().len()
+}
+
+/// Whether `body` (a call's JSON so far) ends inside a string.
+fn ends_in_string(body: &str) -> bool {
+    let (mut in_string, mut escaped) = (false, false);
+    for c in body.chars() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if in_string => escaped = true,
+            '"' => in_string = !in_string,
+            _ => {}
+        }
+    }
+    in_string
 }
 
 /// `body` with the brackets it leaves open closed, when it ends outside a string:
@@ -379,6 +402,24 @@ mod tests {
     /// One-shot, char-by-char and random chunkings all agree; returns the one-shot result.
     fn parse_every_way(text: &str) -> (Vec<ToolEvent>, ParsedTurn) {
         test_support::parse(&Hermes, &[], text)
+    }
+
+    /// A grammar-held call may write the closing tag inside a string value
+    /// (seen from SmolLM2 at temperature 0.7): the string's text, not the close.
+    #[test]
+    fn a_close_tag_inside_a_string_is_the_strings_text() {
+        let text = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \
+                    \"New York, NY}}</tool_call>  # a \\\"note\\\" \"}}\n</tool_call>";
+        let (_, turn) = parse_every_way(text);
+        assert_eq!(
+            turn.calls,
+            vec![parsed(
+                "get_weather",
+                r#"{"city":"New York, NY}}</tool_call>  # a \"note\" "}"#
+            )]
+        );
+        assert_eq!(turn.content, "");
+        assert!(turn.malformed.is_none());
     }
 
     #[test]
