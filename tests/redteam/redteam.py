@@ -514,8 +514,11 @@ def phase_kill9(workdir, deadline, rng):
             _, _, b = post(ref.port, "/v1/chat/completions", chat(t1))
             want = json.loads(b)["choices"][0]["message"]["content"]
             ref.stop()
-        # Vary the prompt so each run saves a new checkpoint.
-        prompt = t1[:-1] + [{"role": "user", "content": f"Question {kills}: who was the keeper?"}]
+        # Vary the prompt from its start so each run prefills cold and saves a
+        # new checkpoint (a shared prefix would be reused from the last run's
+        # checkpoint, cut back to it, leaving nothing to save).
+        prompt = [{"role": "system", "content": f"Run {kills}. {LONG_SYSTEM}"},
+                  {"role": "user", "content": "Who was the keeper?"}]
         threading.Thread(target=post, args=(srv.port, "/v1/chat/completions", chat(prompt)),
                          kwargs={"timeout": 120}, daemon=True).start()
         t = time.monotonic()
