@@ -149,14 +149,7 @@ impl ToolSyntax for Dsml {
         choice: &ToolChoice,
         parallel: bool,
     ) -> Option<String> {
-        let chosen: Vec<&ToolSpec> = match choice {
-            ToolChoice::None => return None,
-            ToolChoice::Named(n) => tools.iter().filter(|t| &t.name == n).collect(),
-            ToolChoice::Auto | ToolChoice::Required => tools.iter().collect(),
-        };
-        if chosen.is_empty() {
-            return None;
-        }
+        let chosen = super::chosen_tools(tools, choice)?;
         let tags = CANONICAL;
         let end_invoke = lark_literal(&format!("{}\n", tags.invoke_close));
         let close = lark_literal(tags.close);

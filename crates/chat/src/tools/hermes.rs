@@ -89,14 +89,7 @@ impl ToolSyntax for Hermes {
         choice: &ToolChoice,
         parallel: bool,
     ) -> Option<String> {
-        let chosen: Vec<&ToolSpec> = match choice {
-            ToolChoice::None => return None,
-            ToolChoice::Named(n) => tools.iter().filter(|t| &t.name == n).collect(),
-            ToolChoice::Auto | ToolChoice::Required => tools.iter().collect(),
-        };
-        if chosen.is_empty() {
-            return None;
-        }
+        let chosen = super::chosen_tools(tools, choice)?;
         let mut g = String::from(if parallel {
             "start: \"\\n\"? call more*\n\
              more: \"\\n<tool_call>\\n\" call\n"

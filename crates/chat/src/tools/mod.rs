@@ -182,3 +182,17 @@ pub trait ToolParser: Send {
     /// `Malformed` event) and returns the authoritative turn.
     fn finish(&mut self) -> (Vec<ToolEvent>, ParsedTurn);
 }
+
+/// The tools a call grammar may name under `choice`: the named one, or all of
+/// them; `None` when no call may be made (`none`, or a name not offered).
+pub(crate) fn chosen_tools<'a>(
+    tools: &'a [ToolSpec],
+    choice: &ToolChoice,
+) -> Option<Vec<&'a ToolSpec>> {
+    let chosen: Vec<&ToolSpec> = match choice {
+        ToolChoice::None => return None,
+        ToolChoice::Named(n) => tools.iter().filter(|t| &t.name == n).collect(),
+        ToolChoice::Auto | ToolChoice::Required => tools.iter().collect(),
+    };
+    (!chosen.is_empty()).then_some(chosen)
+}
