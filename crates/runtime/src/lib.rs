@@ -11,6 +11,7 @@
 //! [`Event`]s (per job) and [`Notice`]s (for logs, traces and metrics); it
 //! prints nothing.
 
+mod constrain;
 mod generation;
 mod job;
 mod notice;
@@ -20,6 +21,7 @@ mod scheduler;
 mod template;
 mod tool_memory;
 
+pub use constrain::{compile, vocab_for, CallPlan, GateError, GrammarPlan};
 pub use job::{
     tokens_within, CacheSource, Divergence, Event, FinishReason, Gate, Job, JobError, Overflow,
     SubmitError, TokenLimit, Usage,
