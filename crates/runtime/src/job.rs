@@ -66,6 +66,10 @@ pub struct Job {
     pub breakpoints: Vec<usize>,
     /// The grammar the output is held to, if any.
     pub gate: Option<Gate>,
+    /// Save the slot's whole state once the job is done (its turn end: the
+    /// prompt and the answer) under this reason (`agent-session`,
+    /// `agent-system`). A cancelled or failed job is not saved.
+    pub turn_save: Option<ds4_kvstore::SaveReason>,
     /// Opaque fields the caller wants in this job's notices (its trace).
     pub meta: serde_json::Value,
     pub events: mpsc::Sender<Event>,

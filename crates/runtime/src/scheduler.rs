@@ -836,6 +836,7 @@ impl Engine {
             },
         };
         let run = *run;
+        let turn_save = run.job.turn_save;
         let final_reason = if run.gen.is_none() {
             FinishReason::Cancelled
         } else {
@@ -874,7 +875,13 @@ impl Engine {
         })));
         self.shared.depth.fetch_sub(1, Ordering::AcqRel);
         self.publish(i);
+        let done = matches!(last, Event::Done { finish, .. } if finish != FinishReason::Cancelled);
         let _ = events.blocking_send(last);
+        if let (Some(reason), Some(p), true) = (turn_save, &mut self.persist, done) {
+            let s = &self.slots[i];
+            p.save(s.id, &s.session, reason);
+            self.publish(i);
+        }
     }
 
     /// Updates slot `i`'s public state, and the store's.

@@ -374,6 +374,7 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> R
         affinity: affinity(&p),
         breakpoints: r.breakpoints,
         gate: r.gate,
+        turn_save: None,
         meta: json!({ "tool_replay": { "exact": r.replay.exact, "canonical": r.replay.canonical } }),
         events: tx,
     };

@@ -182,6 +182,7 @@ fn submit(
         affinity: vec![],
         breakpoints: vec![],
         gate: None,
+        turn_save: None,
         meta: serde_json::Value::Null,
         events: tx,
     })
