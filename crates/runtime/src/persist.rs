@@ -267,7 +267,8 @@ impl Persist {
     /// Whether the longest checkpoint whose text is a prefix of `prompt` holds
     /// more than the `held` tokens a live state offers, and loading it takes
     /// less time than prefilling the difference (a conversation switched back
-    /// to, in a slot that holds another one sharing its start).
+    /// to, in a slot that holds only its start or another conversation
+    /// sharing it).
     pub(crate) fn offers_more_than(&self, prompt: &[u8], n_ctx: usize, held: usize) -> bool {
         match self.store.lookup(prompt, &self.model, n_ctx as u32) {
             Ok(Some(c)) => {

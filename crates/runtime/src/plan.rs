@@ -197,7 +197,7 @@ impl Weighed {
 /// Positions slot `slot`'s session at the longest reusable prefix of `prompt`
 /// (whose own tokens are `ids`). When memory offers less than the store's
 /// minimum, or less than a checkpoint whose text is a prefix of the prompt
-/// while the request cuts the live state back, the live state is saved first
+/// (and loading it beats prefilling the difference), the live state is saved first
 /// (reason `evict`) if the request does not extend it, then the store is
 /// searched.
 pub(crate) fn plan(
@@ -218,11 +218,11 @@ pub(crate) fn plan(
         Plan::new(full, live.len(), CacheSource::MemoryText)
     } else {
         match persist.as_deref_mut() {
-            // Memory offers too little to keep, or the request cuts the live
-            // state back to less than a checkpoint of it holds.
+            // Memory offers too little to keep, or less than a checkpoint of
+            // the prompt holds.
             Some(p)
                 if by_token < p.min_tokens()
-                    || (live.len() > by_token
+                    || (by_token < ids.len()
                         && p.offers_more_than(prompt.as_bytes(), session.n_ctx(), by_token)) =>
             {
                 let mut checkpoint = None;
