@@ -115,10 +115,10 @@ pub struct SessionRecord {
     pub updated: u64,
     /// Tokens of its state (prompt and answers) at the last turn's end.
     pub tokens: usize,
-    /// The file name (text SHA-1) of the checkpoint holding its state, if
-    /// one was saved and not stripped.
+    /// The names (text SHA-1s) of the checkpoints its turns were saved to,
+    /// the latest last (removed with it, or by `/strip`).
     #[serde(default)]
-    pub checkpoint: Option<String>,
+    pub checkpoints: Vec<String>,
     /// Its payload was dropped (`/strip`): switching to it prefills again.
     #[serde(default)]
     pub stripped: bool,
