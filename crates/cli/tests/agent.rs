@@ -34,8 +34,11 @@ fn agent(model: &Path, cwd: &Path, home: &Path, args: &[&str]) -> Command {
         .arg(cwd)
         .arg("--agent-dir")
         .arg(home)
-        .args(["--temp", "0", "-n", "48"])
+        .args(["--temp", "0"])
         .args(args);
+    if !args.contains(&"-n") {
+        c.args(["-n", "48"]);
+    }
     c
 }
 
@@ -188,6 +191,34 @@ fn a_saved_session_comes_back_with_nothing_prefilled_and_answers_the_same() {
     let prefilled: usize = String::from_utf8_lossy(c.get(1).unwrap()).parse().unwrap();
     assert!(prefilled > 0);
     exit(p);
+}
+
+#[test]
+fn ctrl_c_stops_a_generation_and_a_second_one_quits_with_a_save() {
+    let (cwd, home) = (scratch("ctrlc-cwd"), scratch("ctrlc-home"));
+    let mut p = spawn(agent(
+        &smollm2(),
+        &cwd,
+        &home,
+        &["--tool-choice", "none", "-n", "2000"],
+    ));
+    p.expect("> ").unwrap();
+    p.send_line("Write a very long story about a dragon.")
+        .unwrap();
+    p.expect("dragon.").unwrap(); // the echo
+    std::thread::sleep(Duration::from_millis(1500));
+    p.send(expectrl::ControlCode::EndOfText).unwrap();
+    p.expect("(stopped; Ctrl-C again to quit)").unwrap();
+    // The cancelled job left the slot consistent: the next turn runs.
+    ask(&mut p, "Say hi.");
+    p.expect("> ").unwrap();
+    p.send(expectrl::ControlCode::EndOfText).unwrap();
+    p.expect("(Ctrl-C again or /exit to quit)").unwrap();
+    p.send(expectrl::ControlCode::EndOfText).unwrap();
+    p.expect(Eof).unwrap();
+    // The session's index was written on the way out.
+    let sessions: Vec<_> = std::fs::read_dir(home.join("sessions")).unwrap().collect();
+    assert_eq!(sessions.len(), 1);
 }
 
 /// A short forced-call task through `-p`: the call in the family's syntax,

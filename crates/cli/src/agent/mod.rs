@@ -180,10 +180,12 @@ impl<'a> Agent<'a> {
             .with_context(|| format!("opening {}", kv_dir.display()))?;
         let store = Store::open(&kv_dir, config)?;
         let index = SessionIndex::open(&home.join("sessions"))?;
+        let interrupts = watch_interrupts();
         let ui = Ui::new(
             a.plain,
             a.task.is_some(),
             (a.task.is_none()).then(|| home.join("history")),
+            Arc::clone(&interrupts),
         );
         // The runtime's notices that matter here, dimmed on stderr; plans,
         // saves and loads are what the status line sums up.
@@ -233,7 +235,7 @@ impl<'a> Agent<'a> {
             history: vec![],
             ui,
             sampling: a.sampling.config(),
-            interrupts: watch_interrupts(),
+            interrupts,
             jobs: 0,
             think,
         };

@@ -5,6 +5,9 @@
 
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
 
 use anyhow::Result;
 use rustyline::error::ReadlineError;
@@ -20,7 +23,12 @@ pub enum Line {
 
 enum Input {
     Editor(Box<rustyline::DefaultEditor>, Option<PathBuf>),
-    Plain(std::io::Stdin),
+    /// Lines read on a thread of their own, so that a Ctrl-C (a SIGINT
+    /// counted in `interrupts`) ends the wait for one.
+    Plain {
+        lines: mpsc::Receiver<String>,
+        interrupts: Arc<AtomicUsize>,
+    },
 }
 
 pub struct Ui {
@@ -50,8 +58,14 @@ pub enum Style {
 
 impl Ui {
     /// `plain`: no ANSI, no line editor; `transcript_on_stderr` for `-p`;
-    /// `history`: the line editor's history file.
-    pub fn new(plain: bool, transcript_on_stderr: bool, history: Option<PathBuf>) -> Self {
+    /// `history`: the line editor's history file; `interrupts` counts
+    /// Ctrl-C outside the line editor.
+    pub fn new(
+        plain: bool,
+        transcript_on_stderr: bool,
+        history: Option<PathBuf>,
+        interrupts: Arc<AtomicUsize>,
+    ) -> Self {
         use std::io::IsTerminal;
         let tty = std::io::stdin().is_terminal() && std::io::stdout().is_terminal();
         let input = match (plain || !tty, rustyline::DefaultEditor::new()) {
@@ -61,7 +75,18 @@ impl Ui {
                 }
                 Input::Editor(Box::new(ed), history)
             }
-            _ => Input::Plain(std::io::stdin()),
+            _ => {
+                let (tx, lines) = mpsc::channel();
+                std::thread::spawn(move || {
+                    for line in std::io::stdin().lock().lines() {
+                        let Ok(line) = line else { break };
+                        if tx.send(line).is_err() {
+                            break;
+                        }
+                    }
+                });
+                Input::Plain { lines, interrupts }
+            }
         };
         let out: Box<dyn Write> = match transcript_on_stderr {
             true => Box::new(std::io::stderr()),
@@ -92,14 +117,20 @@ impl Ui {
                 Err(ReadlineError::Eof) => Ok(Line::Eof),
                 Err(e) => Err(e.into()),
             },
-            Input::Plain(stdin) => {
+            Input::Plain { lines, interrupts } => {
                 self.out.write_all(prompt.as_bytes())?;
                 self.out.flush()?;
-                let mut l = String::new();
-                if stdin.lock().read_line(&mut l)? == 0 {
-                    return Ok(Line::Eof);
+                let seen = interrupts.load(Ordering::Acquire);
+                loop {
+                    if interrupts.load(Ordering::Acquire) != seen {
+                        return Ok(Line::Interrupted);
+                    }
+                    match lines.recv_timeout(Duration::from_millis(20)) {
+                        Ok(l) => return Ok(Line::Text(l.trim_end_matches('\r').to_string())),
+                        Err(mpsc::RecvTimeoutError::Timeout) => {}
+                        Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(Line::Eof),
+                    }
                 }
-                Ok(Line::Text(l.trim_end_matches(['\n', '\r']).to_string()))
             }
         }
     }
