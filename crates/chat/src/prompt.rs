@@ -114,15 +114,17 @@ mod tests {
             ]
         );
         assert_eq!(Prompt::new().parts().count(), 0);
-        let cut: Vec<_> = p.prefix(20).parts().collect();
+        let short = p.prefix(20);
+        let cut: Vec<_> = short.parts().collect();
         assert_eq!(cut, [("<|im_start|>user\n", true), ("hi ", false)]);
-        let cut: Vec<_> = p.prefix(36).parts().collect();
+        let long = p.prefix(36);
+        let cut: Vec<_> = long.parts().collect();
         assert_eq!(
             cut,
             [
                 ("<|im_start|>user\n", true),
                 ("hi <|im_end|>", false),
-                ("<|im", true)
+                ("<|im_e", true)
             ]
         );
     }

@@ -161,7 +161,7 @@ fn a_saved_session_comes_back_with_nothing_prefilled_and_answers_the_same() {
     // A new process: the session restored whole, then the second question.
     let mut p = run();
     p.expect("> ").unwrap();
-    p.send_line(&format!("/switch {id}")).unwrap();
+    p.send_line(format!("/switch {id}")).unwrap();
     p.expect(format!("switched to session {id}").as_str())
         .unwrap();
     p.expect("restored").unwrap();
@@ -175,7 +175,7 @@ fn a_saved_session_comes_back_with_nothing_prefilled_and_answers_the_same() {
     // Stripped: text and title kept, the payload gone; a switch prefills again.
     let mut p = run();
     p.expect("> ").unwrap();
-    p.send_line(&format!("/strip {id}")).unwrap();
+    p.send_line(format!("/strip {id}")).unwrap();
     p.expect(format!("stripped session {id}").as_str()).unwrap();
     p.expect("> ").unwrap();
     p.send_line("/list").unwrap();
@@ -184,7 +184,7 @@ fn a_saved_session_comes_back_with_nothing_prefilled_and_answers_the_same() {
     ))
     .unwrap();
     p.expect("> ").unwrap();
-    p.send_line(&format!("/switch {id}")).unwrap();
+    p.send_line(format!("/switch {id}")).unwrap();
     p.expect("its checkpoint was stripped: re-prefilled")
         .unwrap();
     let c = p.expect(Regex(STATUS)).unwrap();

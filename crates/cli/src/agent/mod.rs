@@ -771,7 +771,7 @@ impl<'a> Agent<'a> {
         self.history = history;
         let prefilled = usage.prompt_tokens - usage.cached_tokens;
         let words = match (prefilled, self.session.stripped) {
-            (0, _) => format!("{}", crate::turns::source_words(&usage)),
+            (0, _) => crate::turns::source_words(&usage),
             (n, true) => format!("its checkpoint was stripped: re-prefilled {n} tokens"),
             (n, false) => format!("re-prefilled {n} tokens"),
         };
