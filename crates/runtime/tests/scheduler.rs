@@ -317,3 +317,54 @@ fn a_shared_prefix_is_forked_into_another_slot() {
     assert_eq!(u3.slot, u1.slot);
     assert!(u3.cached_tokens >= u1.prompt_tokens, "{:?}", u3);
 }
+
+/// A conversation saved at its turn end (`Job::turn_save`) comes back from
+/// disk in a slot that holds only its start (the agent's system prompt): the
+/// longer checkpoint beats the live prefix; a job of limit 0 only positions
+/// the slot.
+#[test]
+fn a_turn_end_checkpoint_beats_a_live_prefix_of_it() {
+    let dir = std::env::temp_dir().join(format!("ds4-rt-turn-save-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let rt = Rt::start(1, Some(&dir), RuntimeConfig::default());
+    let system = format!(
+        "<|im_start|>system\n{}<|im_end|>\n",
+        "You are a careful assistant for a lighthouse keeper. ".repeat(8)
+    );
+    let submit = |prompt: &str, max_tokens, save| {
+        let ids = model().tokenizer.encode(prompt, true, true);
+        let (mut job, rx) = greedy_job(prompt, ids, max_tokens, &[], vec![]);
+        job.turn_save = save;
+        rt.rt.as_ref().unwrap().handle.submit(job).unwrap();
+        collect(rx)
+    };
+    let first =
+        format!("{system}<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n");
+    // The save comes after the job's last event.
+    let saved = |reason| {
+        let t = std::time::Instant::now();
+        while rt.saves(reason) == 0 && t.elapsed().as_secs() < 10 {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        rt.saves(reason)
+    };
+    let (a, finish, _) = submit(&first, 8, Some(SaveReason::AgentSession));
+    assert_eq!(saved(SaveReason::AgentSession), 1);
+    // The slot goes back to the system prompt alone: nothing generated.
+    let (text, _, u) = submit(&system, 0, Some(SaveReason::AgentSystem));
+    assert_eq!((text.as_str(), u.completion_tokens), ("", 0));
+    assert_eq!(saved(SaveReason::AgentSystem), 1);
+    let end = if finish == FinishReason::Stop {
+        "<|im_end|>"
+    } else {
+        ""
+    };
+    let next = format!(
+        "{first}{a}{end}\n<|im_start|>user\nAnother one.<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let (_, _, u) = submit(&next, 4, None);
+    assert_eq!(u.cache_source, CacheSource::DiskText, "{u:?}");
+    assert!(u.cached_tokens > u.prompt_tokens - 16, "{u:?}");
+    drop(rt);
+    let _ = std::fs::remove_dir_all(&dir);
+}
