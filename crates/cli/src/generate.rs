@@ -492,6 +492,7 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
             affinity: vec![],
             breakpoints: vec![],
             gate: None,
+            turn_save: Some(ds4_kvstore::SaveReason::TurnEnd),
             meta: serde_json::Value::Null,
             events: tx,
         };

@@ -64,6 +64,26 @@ impl Server {
         }
     }
 
+    /// Waits (at most 30 s) until the log holds `needle` `n` times (a
+    /// background save's line, say).
+    pub fn wait_for_log(&self, needle: &str, n: usize) {
+        let t = std::time::Instant::now();
+        while self.log().matches(needle).count() < n {
+            assert!(
+                t.elapsed().as_secs() < 30,
+                "{n} x {needle:?} not seen:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// `kill -9`: no shutdown, no save.
+    pub fn kill9(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
     /// SIGTERM, then wait for a clean exit.
     pub fn stop(mut self) -> String {
         let _ = Command::new("kill")

@@ -32,6 +32,7 @@ pub fn greedy_job(
         affinity: affinity.iter().map(|s| s.to_string()).collect(),
         breakpoints,
         gate: None,
+        turn_save: None,
         meta: serde_json::Value::Null,
         events: tx,
     };
