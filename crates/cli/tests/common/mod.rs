@@ -23,8 +23,15 @@ impl Server {
 
     /// `start` with extra environment variables for the server process.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
+        // One thread unless the test asks for more.
+        let threads: &[&str] = if args.contains(&"--threads") {
+            &[]
+        } else {
+            &["--threads", "1"]
+        };
         let mut child = Command::new(env!("CARGO_BIN_EXE_ds4"))
-            .args(["serve", "--port", "0", "--threads", "1"])
+            .args(["serve", "--port", "0"])
+            .args(threads)
             .args(args)
             .envs(env.iter().copied())
             .stdout(Stdio::null())
