@@ -95,6 +95,22 @@ def test_responses(responses_answer):
     assert 0 <= r.usage.input_tokens_details.cached_tokens <= r.usage.input_tokens
 
 
+def test_responses_previous_response_id_continues_the_conversation(oai, responses_answer):
+    """The SDK's stateful flow: only the new input, the rest from the stored
+    response; the prompt is the first response's whole conversation plus the
+    new turn, and the live state serves all of it."""
+    first = responses_answer
+    assert first.store is True
+    nxt = oai.responses.create(
+        model="ds4", input="And of Italy?", previous_response_id=first.id,
+        temperature=0, max_output_tokens=16,
+    )
+    assert nxt.previous_response_id == first.id
+    assert nxt.usage.input_tokens > first.usage.total_tokens
+    assert nxt.usage.input_tokens_details.cached_tokens >= first.usage.total_tokens - 1
+    assert nxt.output_text
+
+
 EVENT_ORDER = [
     "response.created",
     "response.in_progress",
@@ -186,6 +202,7 @@ def test_unsupported_options_are_sdk_errors(oai):
     assert e.value.status_code == 400
     assert e.value.body["param"] == "n"
     assert e.value.body["type"] == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:
         oai.responses.create(model="ds4", input="hi", previous_response_id="resp_1")
     assert e.value.body["param"] == "previous_response_id"
+    assert e.value.body["code"] == "previous_response_not_found"

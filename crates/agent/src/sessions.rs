@@ -8,7 +8,7 @@ use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use ds4_chat::{Message, Role, ToolCall};
+use ds4_chat::{Message, Role};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, thiserror::Error)]
@@ -29,81 +29,6 @@ pub enum SessionError {
     BadId(String),
 }
 
-/// One message as the index keeps it.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StoredMessage {
-    pub role: String,
-    pub content: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reasoning: Option<String>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub tool_calls: Vec<StoredCall>,
-    /// The exact text the model sampled for the calls: re-rendered verbatim
-    /// so the conversation's text stays the checkpoint's.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tool_calls_raw: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tool_call_id: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub name: Option<String>,
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StoredCall {
-    pub id: String,
-    pub name: String,
-    pub arguments: String,
-}
-
-impl From<&Message> for StoredMessage {
-    fn from(m: &Message) -> Self {
-        StoredMessage {
-            role: m.role.as_str().to_string(),
-            content: m.content.clone(),
-            reasoning: m.reasoning.clone(),
-            tool_calls: m
-                .tool_calls
-                .iter()
-                .map(|c| StoredCall {
-                    id: c.id.clone(),
-                    name: c.name.clone(),
-                    arguments: c.arguments.clone(),
-                })
-                .collect(),
-            tool_calls_raw: m.tool_calls_raw.clone(),
-            tool_call_id: m.tool_call_id.clone(),
-            name: m.name.clone(),
-        }
-    }
-}
-
-impl From<&StoredMessage> for Message {
-    fn from(m: &StoredMessage) -> Self {
-        Message {
-            role: match m.role.as_str() {
-                "system" => Role::System,
-                "assistant" => Role::Assistant,
-                "tool" => Role::Tool,
-                _ => Role::User,
-            },
-            content: m.content.clone(),
-            reasoning: m.reasoning.clone(),
-            tool_calls: m
-                .tool_calls
-                .iter()
-                .map(|c| ToolCall {
-                    id: c.id.clone(),
-                    name: c.name.clone(),
-                    arguments: c.arguments.clone(),
-                })
-                .collect(),
-            tool_calls_raw: m.tool_calls_raw.clone(),
-            tool_call_id: m.tool_call_id.clone(),
-            name: m.name.clone(),
-        }
-    }
-}
-
 /// One conversation.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SessionRecord {
@@ -122,8 +47,10 @@ pub struct SessionRecord {
     /// Its payload was dropped (`/strip`): switching to it prefills again.
     #[serde(default)]
     pub stripped: bool,
-    /// The conversation after the system prompt.
-    pub messages: Vec<StoredMessage>,
+    /// The conversation after the system prompt (tool calls with the exact
+    /// text the model sampled, re-rendered verbatim so the conversation's
+    /// text stays its checkpoint's).
+    pub messages: Vec<Message>,
 }
 
 impl SessionRecord {
@@ -137,14 +64,10 @@ impl SessionRecord {
         }
     }
 
-    pub fn messages(&self) -> Vec<Message> {
-        self.messages.iter().map(Message::from).collect()
-    }
-
     /// Replaces the conversation; the title is the first user message's first
     /// line (60 characters at most).
     pub fn set_messages(&mut self, messages: &[Message], now: u64) {
-        self.messages = messages.iter().map(StoredMessage::from).collect();
+        self.messages = messages.to_vec();
         self.updated = now;
         if self.title.is_empty() {
             if let Some(first) = messages.iter().find(|m| m.role == Role::User) {
@@ -272,6 +195,7 @@ impl SessionIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ds4_chat::ToolCall;
 
     #[test]
     fn sessions_round_trip_privately_and_ids_are_checked() {
@@ -303,7 +227,7 @@ mod tests {
         let back = index.load(&rec.id).unwrap();
         assert_eq!(back, rec);
         assert_eq!(back.title, "list the files");
-        assert_eq!(back.messages(), messages);
+        assert_eq!(back.messages, messages);
         let other = SessionRecord::new(index.fresh_id(), 30);
         index.save(&other).unwrap();
         let ids: Vec<String> = index.list().unwrap().into_iter().map(|r| r.id).collect();

@@ -22,7 +22,8 @@ pub use think::{
 };
 pub use tools::{ToolCall, ToolChoice, ToolSpec};
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Role {
     System,
     #[default]
@@ -43,7 +44,8 @@ impl Role {
     }
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct Message {
     pub role: Role,
     pub content: String,

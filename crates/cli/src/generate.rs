@@ -481,7 +481,7 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
             affinity: vec![],
             breakpoints: vec![],
             gate: None,
-            turn_save: None,
+            turn_save: Some(ds4_kvstore::SaveReason::TurnEnd),
             meta: serde_json::Value::Null,
             events: tx,
         };

@@ -131,6 +131,13 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         a.tool_memory_max_ids
     };
     let tool_memory = Arc::new(ToolMemory::new(max_ids, lookup));
+    // Stored responses beside the checkpoints (in memory without a store).
+    let conversations = Arc::new(
+        ds4_runtime::Conversations::open(
+            store.as_ref().map(|s| s.dir().join("responses")).as_deref(),
+        )
+        .context("opening the stored responses")?,
+    );
     let metrics = Arc::new(Metrics::default());
     let trace = match &a.trace {
         Some(f) => Some(Arc::new(
@@ -210,6 +217,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         model,
         Arc::clone(&metrics),
         tool_memory,
+        conversations,
         trace,
     )
     .context("invalid --normalize-regex pattern")?;

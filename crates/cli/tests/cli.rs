@@ -361,7 +361,8 @@ fn chat_resumes_from_disk_and_kv_tools_maintain_the_store() {
         err.contains("nothing reused") && err.contains("reason=cold"),
         "{err}"
     );
-    assert!(err.contains("reason=shutdown"), "{err}");
+    // The turn's end is saved (the shutdown save then finds it on disk).
+    assert!(err.contains("reason=turn-end"), "{err}");
     let mode = |p: &Path| {
         std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(p).unwrap().permissions())
             & 0o777
@@ -384,7 +385,7 @@ fn chat_resumes_from_disk_and_kv_tools_maintain_the_store() {
     let kv_arg = ["--kv-disk-dir", kv.to_str().unwrap()];
     let ls = stdout(&run_ok(&[&["kv", "ls"][..], &kv_arg].concat()));
     assert!(
-        ls.contains(" cold ") && ls.contains(" shutdown ") && ls.contains("2 checkpoint(s)"),
+        ls.contains(" cold ") && ls.contains(" turn-end ") && ls.contains("2 checkpoint(s)"),
         "{ls}"
     );
     let files: Vec<PathBuf> = std::fs::read_dir(&kv)
@@ -426,7 +427,7 @@ fn chat_resumes_from_disk_and_kv_tools_maintain_the_store() {
     );
     let third = chat_once(&kv, q);
     let err3 = stderr(&third);
-    // The shutdown checkpoint (the question and its answer) serves instead,
+    // The turn-end checkpoint (the question and its answer) serves instead,
     // cut back to the question.
     assert!(
         err3.contains("kv cache load failed") && err3.contains("a checkpoint cut back by"),
@@ -656,7 +657,7 @@ fn chat_saves_continued_checkpoints_at_the_policy_step() {
         assert!(err.contains(tokens), "{tokens:?} missing:\n{err}");
     }
     assert!(
-        err.contains("reason=cold") && err.contains("reason=shutdown"),
+        err.contains("reason=cold") && err.contains("reason=turn-end"),
         "{err}"
     );
     std::fs::remove_dir_all(dir).unwrap();

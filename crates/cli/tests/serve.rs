@@ -411,9 +411,10 @@ fn restart_resumes_from_the_disk_checkpoint_with_identical_output() {
         &chat_body(turn2.clone(), json!({})),
     )
     .json();
+    // Turn 2's end is saved (the shutdown save then finds it on disk).
     let log = srv.stop();
     assert!(
-        log.contains("reason=cold") && log.contains("reason=shutdown"),
+        log.contains("reason=cold") && log.contains("reason=turn-end"),
         "{log}"
     );
 
@@ -443,7 +444,7 @@ fn restart_resumes_from_the_disk_checkpoint_with_identical_output() {
     assert_eq!(b2["usage"]["prompt_tokens"], b1["usage"]["prompt_tokens"]);
     let lines = trace_lines(&trace);
     let cache = lines.iter().find(|l| l["event"] == "cache").unwrap();
-    // The shutdown save holds turn 2 and its reply: cut back, it serves all
+    // The turn-end save holds turn 2 and its reply: cut back, it serves all
     // of turn 2 (more than the cold save of turn 1 does as a prefix).
     assert!(
         cache["cache_source"]
@@ -471,6 +472,67 @@ fn restart_resumes_from_the_disk_checkpoint_with_identical_output() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A `kill -9` after a turn loses nothing of it: each turn end is saved in
+/// the background, so after the restart the next turn is restored from disk
+/// with only its new message prefilled, and answers as a cold server does.
+#[test]
+fn a_kill_9_after_a_turn_loses_nothing_of_it() {
+    let dir = temp_dir("kill9");
+    let kv = dir.join("kv");
+    let args = [&["--batched-session", "1"][..], &kv_flags(&kv)[..]].concat();
+    let ask = |port, messages: &Value| {
+        let r = post(
+            port,
+            "/v1/chat/completions",
+            &chat_body(messages.clone(), json!({})),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        let cache = r.header("x-ds4-cache").unwrap_or_default();
+        (r.json(), cache)
+    };
+    let answer = |b: &Value| {
+        b["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let srv = Server::start(&args);
+    let mut messages = json!([{ "role": "user", "content": "What is the capital of France?" }]);
+    let (b1, _) = ask(srv.port, &messages);
+    messages.as_array_mut().unwrap().extend([
+        json!({ "role": "assistant", "content": answer(&b1) }),
+        json!({ "role": "user", "content": "And of Italy?" }),
+    ]);
+    let (b2, _) = ask(srv.port, &messages);
+    let held = b2["usage"]["prompt_tokens"].as_u64().unwrap()
+        + b2["usage"]["completion_tokens"].as_u64().unwrap();
+    // The second turn end is on disk a moment after the response.
+    srv.wait_for_log("reason=turn-end", 2);
+    srv.kill9();
+    messages.as_array_mut().unwrap().extend([
+        json!({ "role": "assistant", "content": answer(&b2) }),
+        json!({ "role": "user", "content": "And of Spain?" }),
+    ]);
+
+    let srv = Server::start(&args);
+    let (b3, cache) = ask(srv.port, &messages);
+    assert!(cache.starts_with("disk-text;"), "{cache}");
+    let cached = b3["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached + 1 >= held,
+        "restored {cached} of the {held} tokens held after turn 2"
+    );
+    drop(srv);
+    let cold = Server::start(&["--no-kv-disk", "--batched-session", "1"]);
+    let (want, cache) = ask(cold.port, &messages);
+    assert!(cache.starts_with("none"), "{cache}");
+    assert_eq!(answer(&b3), answer(&want));
+    drop(cold);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// After a graceful restart, a request sharing the saved prompt but not its
 /// reply reuses the checkpoint cut back to the shared prefix: the header and
 /// the trace say `disk-text-partial` with the tokens cut and the weighing, and
@@ -479,7 +541,7 @@ fn restart_resumes_from_the_disk_checkpoint_with_identical_output() {
 fn restart_reuses_a_diverging_checkpoint_cut_back_to_the_shared_prefix() {
     let dir = temp_dir("partial");
     let kv = dir.join("kv");
-    // No cold save: the shutdown save of prompt + reply is the only checkpoint.
+    // No cold save: the turn-end save of prompt + reply is the only checkpoint.
     let args = [
         &["--batched-session", "1", "--kv-cache-cold-max-tokens", "0"][..],
         &kv_flags(&kv)[..],
@@ -502,7 +564,7 @@ fn restart_reuses_a_diverging_checkpoint_cut_back_to_the_shared_prefix() {
     let (first, _) = complete(srv.port, &prompt);
     let reply = first["choices"][0]["text"].as_str().unwrap().to_string();
     let log = srv.stop();
-    assert!(log.contains("reason=shutdown"), "{log}");
+    assert!(log.contains("reason=turn-end"), "{log}");
     let other = "\n\nQ: Who kept the lighthouse?\nA:";
     assert!(!reply.starts_with(&other[..2]), "{reply:?}");
     let request = format!("{prompt}{other}");

@@ -394,12 +394,12 @@ fn a_checkpoint_from_other_weights_is_refused() {
         let args = [&kv_flags(&kv)[..], &["-m", model.to_str().unwrap()]].concat();
         Server::start_with_env(&args, &env)
     };
-    // The original model answers; its shutdown save holds the turn.
+    // The original model answers; its turn-end save holds the turn.
     let srv = serve(&original);
     let answer =
         chat(srv.port, json!([question])).json()["choices"][0]["message"]["content"].clone();
     let log = srv.stop();
-    assert!(log.contains("reason=shutdown"), "{log}");
+    assert!(log.contains("reason=turn-end"), "{log}");
     let follow_up = json!([question, { "role": "assistant", "content": answer }, { "role": "user", "content": "One more?" }]);
 
     let srv = serve(&tampered);
@@ -441,6 +441,8 @@ fn failed_saves_are_counted_in_metrics() {
         assert_eq!(r.status, 200, "{}", r.body);
     };
     complete(&"Alpha beta gamma delta. ".repeat(8));
+    // Its turn end is written in the background: let it land first.
+    srv.wait_for_log("reason=turn-end", 1);
     std::fs::remove_dir_all(&kv).unwrap();
     std::fs::write(&kv, b"not a directory").unwrap();
     // Unrelated: the live session is evict-saved first, which fails.

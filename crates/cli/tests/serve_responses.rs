@@ -216,9 +216,9 @@ fn responses_errors_are_400s_in_openais_shape() {
                 "/v1/responses",
                 &json!({"input": "x", "previous_response_id": "resp_1"}),
             ),
-            400,
+            404,
             Some("previous_response_id"),
-            "replay the full input",
+            "Previous response with id 'resp_1' not found.",
         ),
         (
             post(
@@ -275,4 +275,71 @@ fn responses_errors_are_400s_in_openais_shape() {
     )
     .json();
     assert_eq!(v["status"], "incomplete", "{v}");
+}
+
+/// Stateful responses: a stored response's conversation continues from its id
+/// with only the new input — after a `kill -9` and a restart too (the
+/// conversation from disk, its state from the turn-end checkpoint) — and
+/// answers as the full replay does on a cold server; `store: false` keeps
+/// nothing, and an unknown id is a 404 `previous_response_not_found`.
+#[test]
+fn previous_response_id_continues_a_stored_conversation_across_a_restart() {
+    let dir = temp_dir("stateful");
+    let kv = dir.join("kv");
+    let args = [&["--batched-session", "1"][..], &kv_flags(&kv)[..]].concat();
+    let instructions = "You are a terse assistant.";
+    let srv = Server::start(&args);
+    let first = post(
+        srv.port,
+        "/v1/responses",
+        &ask(json!({ "instructions": instructions })),
+    );
+    assert_eq!(first.status, 200, "{}", first.body);
+    let first = first.json();
+    assert_eq!(first["store"], true, "{first}");
+    let id = first["id"].as_str().unwrap().to_string();
+    let held = first["usage"]["total_tokens"].as_u64().unwrap();
+    let unstored = post(srv.port, "/v1/responses", &ask(json!({ "store": false }))).json();
+    assert_eq!(unstored["store"], false, "{unstored}");
+    srv.wait_for_log("reason=turn-end", 2);
+    srv.kill9();
+
+    let follow = |previous: &str| {
+        json!({ "model": "m", "instructions": instructions, "input": "And of Italy?",
+                "previous_response_id": previous, "temperature": 0, "max_output_tokens": 16 })
+    };
+    let srv = Server::start(&args);
+    let r = post(srv.port, "/v1/responses", &follow(&id));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let cache = r.header("x-ds4-cache").unwrap_or_default();
+    assert!(cache.starts_with("disk-text"), "{cache}");
+    let next = r.json();
+    assert_eq!(next["previous_response_id"], id.as_str());
+    let cached = next["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached + 1 >= held,
+        "restored {cached} of the first response's {held} tokens"
+    );
+    for unknown in [unstored["id"].as_str().unwrap(), "resp_0000", "../kv"] {
+        let r = post(srv.port, "/v1/responses", &follow(unknown));
+        assert_eq!(r.status, 404, "{unknown}: {}", r.body);
+        let e = &r.json()["error"];
+        assert_eq!(e["code"], "previous_response_not_found", "{e}");
+        assert_eq!(e["param"], "previous_response_id", "{e}");
+    }
+    drop(srv);
+
+    let cold = Server::start(&["--no-kv-disk", "--batched-session", "1"]);
+    let replay = json!({ "model": "m", "instructions": instructions, "temperature": 0,
+    "max_output_tokens": 16, "input": [
+        { "role": "user", "content": "What is the capital of France?" },
+        { "role": "assistant", "content": output_text(&first) },
+        { "role": "user", "content": "And of Italy?" },
+    ]});
+    let want = post(cold.port, "/v1/responses", &replay).json();
+    assert_eq!(output_text(&next), output_text(&want));
+    drop(cold);
+    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -40,6 +40,9 @@ pub enum SaveReason {
     AgentSession = 6,
     /// A client's cache breakpoint (Anthropic `cache_control`): an anchor.
     ClientHint = 7,
+    /// The whole conversation at the end of a turn (prompt and answer), saved
+    /// in the background so a crash loses at most the turn in flight.
+    TurnEnd = 8,
 }
 
 impl SaveReason {
@@ -53,6 +56,7 @@ impl SaveReason {
             5 => SaveReason::AgentSystem,
             6 => SaveReason::AgentSession,
             7 => SaveReason::ClientHint,
+            8 => SaveReason::TurnEnd,
             _ => return None,
         })
     }
@@ -68,6 +72,7 @@ impl SaveReason {
             SaveReason::AgentSystem => "agent-system",
             SaveReason::AgentSession => "agent-session",
             SaveReason::ClientHint => "client-hint",
+            SaveReason::TurnEnd => "turn-end",
         }
     }
 
@@ -76,6 +81,17 @@ impl SaveReason {
         matches!(
             self,
             SaveReason::Cold | SaveReason::Evict | SaveReason::Shutdown | SaveReason::ClientHint
+        )
+    }
+
+    /// A point on a conversation's way (a continued save, a turn end, an agent
+    /// session): once a later checkpoint of the same model extends its text,
+    /// the longer one serves that conversation and this one only a branch, so
+    /// it counts less in the eviction score.
+    pub fn is_waypoint(self) -> bool {
+        matches!(
+            self,
+            SaveReason::Continued | SaveReason::TurnEnd | SaveReason::AgentSession
         )
     }
 }

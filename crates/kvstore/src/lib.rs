@@ -14,7 +14,7 @@
 //! |---:|---:|---|
 //! | 0 | 3 | magic `KVC` |
 //! | 3 | 1 | format version = 2 (1 was the C system's 52-byte header: rejected) |
-//! | 4 | 1 | save reason: 0 unknown, 1 cold, 2 continued, 3 evict, 4 shutdown, 5 agent-system, 6 agent-session, 7 client-hint (others: invalid) |
+//! | 4 | 1 | save reason: 0 unknown, 1 cold, 2 continued, 3 evict, 4 shutdown, 5 agent-system, 6 agent-session, 7 client-hint, 8 turn-end (others: invalid) |
 //! | 5 | 3 | reserved, 0 |
 //! | 8 | 4 | u32 extension flags (bit 0: a tool-id map section is present); opaque to the store |
 //! | 12 | 4 | u32 token count (0: invalid) |

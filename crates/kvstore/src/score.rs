@@ -1,7 +1,7 @@
 //! The eviction score: pure functions of a header, the file size, whether the
 //! checkpoint is superseded, and `now`. Lowest score is evicted first.
 
-use crate::format::{Header, SaveReason};
+use crate::format::Header;
 
 /// Hit counts halve every 6 hours of disuse.
 pub const HIT_HALF_LIFE_S: f64 = 21600.0;
@@ -9,7 +9,7 @@ pub const HIT_HALF_LIFE_S: f64 = 21600.0;
 pub const MIN_EFFECTIVE_HITS: f64 = 0.01;
 /// Multiplier for anchor reasons (cold, evict, shutdown).
 pub const ANCHOR_FACTOR: f64 = 2.0;
-/// Multiplier for a `continued` checkpoint whose text is a strict prefix of a checkpoint
+/// Multiplier for a waypoint (`continued`, `turn-end`, `agent-session`) checkpoint whose text is a strict prefix of a checkpoint
 /// created no earlier by the same model: the longer file already serves that
 /// conversation, the shorter one only helps a branch.
 pub const SUPERSEDED_FACTOR: f64 = 0.5;
@@ -30,7 +30,7 @@ pub fn effective_hits(hits: u32, used_at: u64, now: u64) -> f64 {
 }
 
 /// `(effective_hits + 1) * tokens / file_bytes`, x[`ANCHOR_FACTOR`] for anchor reasons,
-/// x[`SUPERSEDED_FACTOR`] for a superseded `continued` checkpoint. `used_at` is
+/// x[`SUPERSEDED_FACTOR`] for a superseded waypoint checkpoint. `used_at` is
 /// `last_used`, or `created` when `last_used` is 0.
 pub fn eviction_score(header: &Header, file_bytes: u64, superseded: bool, now: u64) -> f64 {
     let eh = effective_hits(header.hits, header.used_at(), now);
@@ -38,7 +38,7 @@ pub fn eviction_score(header: &Header, file_bytes: u64, superseded: bool, now: u
     if header.reason.is_anchor() {
         score *= ANCHOR_FACTOR;
     }
-    if superseded && header.reason == SaveReason::Continued {
+    if superseded && header.reason.is_waypoint() {
         score *= SUPERSEDED_FACTOR;
     }
     score
@@ -47,7 +47,7 @@ pub fn eviction_score(header: &Header, file_bytes: u64, superseded: bool, now: u
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::ModelId;
+    use crate::format::{ModelId, SaveReason};
 
     fn h(reason: SaveReason, hits: u32, created: u64, last_used: u64, tokens: u32) -> Header {
         Header {
@@ -91,7 +91,9 @@ mod tests {
             eviction_score(&cold, 4000, false, now),
             (1.0 + 1.0) * 0.25 * 2.0
         );
-        // The superseded factor applies only to continued checkpoints.
+        // The superseded factor applies only to waypoints.
         assert_eq!(eviction_score(&cold, 4000, true, now), 1.0);
+        let turn = h(SaveReason::TurnEnd, 3, 10, 0, 1000);
+        assert_eq!(eviction_score(&turn, 4000, true, now), 0.125);
     }
 }

@@ -479,6 +479,10 @@ impl Store {
                 continue;
             }
             let Ok(meta) = ent.metadata() else { continue };
+            if meta.is_dir() && parse_checkpoint_name(&name).is_none() {
+                // A folder of its own (stored conversations): not the store's.
+                continue;
+            }
             let stamp = Stamp::of(&meta);
             seen.insert(name.clone());
             if st.files.get(&name).is_some_and(|s| s.stamp == stamp) {
@@ -1252,13 +1256,13 @@ fn evict_cmp(a: (f64, &Entry, &String), b: (f64, &Entry, &String)) -> std::cmp::
         .then(a.2.cmp(b.2))
 }
 
-/// Pairs `(i, j)`: entry `i` is a `continued` checkpoint whose text is a strict prefix
+/// Pairs `(i, j)`: entry `i` is a waypoint (`continued`, `turn-end`, `agent-session`) checkpoint whose text is a strict prefix
 /// of entry `j`'s text, `j` has the same model fingerprint and was created no earlier.
 /// Reads the text of each possible extender once, hashing it incrementally.
 fn superseded_pairs(dir: &Path, live: &[(String, Entry)]) -> Vec<(usize, usize)> {
     let mut pairs = Vec::new();
     let conts: Vec<usize> = (0..live.len())
-        .filter(|&i| live[i].1.header.reason == SaveReason::Continued)
+        .filter(|&i| live[i].1.header.reason.is_waypoint())
         .collect();
     if conts.is_empty() {
         return pairs;

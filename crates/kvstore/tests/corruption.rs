@@ -209,10 +209,10 @@ fn wrong_version_and_bad_fields() {
         ),
         (
             "reason",
-            with_header_byte(4, 8),
+            with_header_byte(4, 9),
             Defect::BadField {
                 field: "reason",
-                value: 8,
+                value: 9,
             },
         ),
         (

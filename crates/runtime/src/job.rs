@@ -67,8 +67,11 @@ pub struct Job {
     /// The grammar the output is held to, if any.
     pub gate: Option<Gate>,
     /// Save the slot's whole state once the job is done (its turn end: the
-    /// prompt and the answer) under this reason (`agent-session`,
-    /// `agent-system`). A cancelled or failed job is not saved.
+    /// prompt and the answer) under this reason — `turn-end` for a server
+    /// conversation, `agent-session` for the agent — so that a crash after
+    /// the response loses nothing of it. The save runs on a thread of its
+    /// own after the last event: it never delays this response nor another
+    /// slot's token. A cancelled or failed job is not saved.
     pub turn_save: Option<ds4_kvstore::SaveReason>,
     /// Opaque fields the caller wants in this job's notices (its trace).
     pub meta: serde_json::Value,

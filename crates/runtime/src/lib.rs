@@ -12,22 +12,27 @@
 //! prints nothing.
 
 mod constrain;
+mod conversations;
 mod generation;
 mod job;
 mod notice;
 mod persist;
 mod plan;
+mod saver;
 mod scheduler;
 mod template;
 mod tool_memory;
 
 pub use constrain::{compile, vocab_for, CallPlan, GateError, GrammarPlan};
+pub use conversations::{
+    ConversationError, Conversations, MAX_CONVERSATIONS, MAX_CONVERSATION_BYTES,
+};
 pub use job::{
     tokens_within, CacheSource, Divergence, Event, FinishReason, Gate, Job, JobError, Overflow,
     SubmitError, TokenLimit, Usage,
 };
 pub use notice::{discard, Finished, Notice, NoticeSink, Planned};
-pub use persist::{model_id, Offers, Persist, Rates, Restored, StoreUsage};
+pub use persist::{model_id, Offers, Persist, Rates, Restored, StoreUsage, Writer};
 pub use plan::{Verdict, Weighed};
 pub use scheduler::{Runtime, RuntimeConfig, RuntimeHandle, SlotInfo};
 pub use template::template_for;

@@ -5,6 +5,7 @@
 //! reported as a [`Notice`].
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -110,15 +111,7 @@ pub struct Restored {
 /// The runtime's link to the store, shared by its slots (which all hold
 /// sessions of one model, K/V type and context).
 pub struct Persist {
-    pub store: Store,
-    model: ModelId,
-    /// Tokens written by successful saves so far (per-request differences feed
-    /// Anthropic's `cache_creation_input_tokens`).
-    saved_tokens: usize,
-    evictions: u64,
-    save_failures: u64,
-    /// Exact tool-call text saved with checkpoints and reloaded on a hit.
-    tool_memory: Option<Arc<ToolMemory>>,
+    w: Arc<Writer>,
     /// The sessions' K/V type, and the identity of checkpoints of the other type.
     kv_type: KvType,
     other_kv: (KvType, ModelId),
@@ -126,6 +119,20 @@ pub struct Persist {
     /// Consider only checkpoints whose whole text is a prefix of the prompt
     /// (the rule before partial reuse; for comparisons).
     whole_only: bool,
+}
+
+/// What writing a checkpoint needs: shared by the engine thread and the
+/// background saver that writes turn ends ([`Persist::writer`]).
+pub struct Writer {
+    store: Store,
+    model: ModelId,
+    /// Tokens written by successful saves so far (per-request differences feed
+    /// Anthropic's `cache_creation_input_tokens`).
+    saved_tokens: AtomicUsize,
+    evictions: AtomicU64,
+    save_failures: AtomicU64,
+    /// Exact tool-call text saved with checkpoints and reloaded on a hit.
+    tool_memory: Option<Arc<ToolMemory>>,
     notices: NoticeSink,
 }
 
@@ -144,12 +151,15 @@ impl Persist {
         };
         let model = model_id(session);
         Persist {
-            store,
-            model,
-            saved_tokens: 0,
-            evictions: 0,
-            save_failures: 0,
-            tool_memory,
+            w: Arc::new(Writer {
+                store,
+                model,
+                saved_tokens: AtomicUsize::new(0),
+                evictions: AtomicU64::new(0),
+                save_failures: AtomicU64::new(0),
+                tool_memory,
+                notices,
+            }),
             kv_type: session.kv_type(),
             other_kv: (
                 other,
@@ -164,7 +174,6 @@ impl Persist {
             ),
             rates: Rates::default(),
             whole_only: false,
-            notices,
         }
     }
 
@@ -200,29 +209,30 @@ impl Persist {
 
     /// Tokens written by successful saves since this was created.
     pub fn saved_tokens(&self) -> usize {
-        self.saved_tokens
+        self.w.saved_tokens.load(Ordering::Relaxed)
     }
 
     /// What the store holds, and what this process's saves did to it.
     pub fn store_usage(&self) -> StoreUsage {
-        let (files, bytes) = self.store.usage();
+        let (files, bytes) = self.w.store.usage();
         StoreUsage {
             files,
             bytes,
-            evictions: self.evictions,
-            save_failures: self.save_failures,
+            evictions: self.w.evictions.load(Ordering::Relaxed),
+            save_failures: self.w.save_failures.load(Ordering::Relaxed),
         }
     }
 
     pub fn policy(&self) -> SavePolicy {
-        *self.store.policy()
+        *self.w.store.policy()
     }
 
     /// The checkpoint that shares the most of `prompt` without being a prefix of
     /// it (for explaining a miss); store failures count as none.
     pub fn nearest_miss(&self, prompt: &[u8], n_ctx: usize) -> Option<ds4_kvstore::NearMiss> {
-        self.store
-            .nearest_miss(prompt, &self.model, n_ctx as u32)
+        self.w
+            .store
+            .nearest_miss(prompt, &self.w.model, n_ctx as u32)
             .ok()
             .flatten()
     }
@@ -251,8 +261,9 @@ impl Persist {
             // A token is at least a byte: sharing fewer bytes than the
             // minimum cannot reuse the minimum. A failing store offers none
             // (the lookup reports it).
-            self.store
-                .sharing(prompt, &self.model, n_ctx as u32, min)
+            self.w
+                .store
+                .sharing(prompt, &self.w.model, n_ctx as u32, min)
                 .unwrap_or_default()
                 .into_iter()
                 .filter(|s| s.candidate.header.tokens as usize >= min)
@@ -270,7 +281,7 @@ impl Persist {
     /// to, in a slot that holds only its start or another conversation
     /// sharing it).
     pub(crate) fn offers_more_than(&self, prompt: &[u8], n_ctx: usize, held: usize) -> bool {
-        match self.store.lookup(prompt, &self.model, n_ctx as u32) {
+        match self.w.store.lookup(prompt, &self.w.model, n_ctx as u32) {
             Ok(Some(c)) => {
                 let tokens = c.header.tokens as usize;
                 let bytes = c.header.file_bytes().unwrap_or(u64::MAX);
@@ -283,18 +294,18 @@ impl Persist {
     /// The longest checkpoint whose text is a prefix of `prompt`, of at least
     /// the store's minimum; a miss is explained, a failing store reported.
     fn whole_offer(&self, prompt: &[u8], n_ctx: usize) -> Option<Candidate> {
-        match self.store.lookup(prompt, &self.model, n_ctx as u32) {
+        match self.w.store.lookup(prompt, &self.w.model, n_ctx as u32) {
             Ok(Some(c)) if c.header.tokens as usize >= self.min_tokens() => Some(c),
             Ok(_) => {
                 self.explain_miss(prompt, n_ctx);
                 None
             }
             Err(e) => {
-                (self.notices)(Notice::LoadFailed {
+                (self.w.notices)(Notice::LoadFailed {
                     path: None,
                     why: format!("lookup failed: {e}"),
                 });
-                self.drain_store_notices();
+                self.w.drain_store_notices();
                 None
             }
         }
@@ -312,10 +323,10 @@ impl Persist {
     ) -> Option<Restored> {
         let t = Instant::now();
         let not_restored = |this: &Self, path: Option<PathBuf>, why: String| {
-            (this.notices)(Notice::LoadFailed { path, why });
-            this.drain_store_notices();
+            (this.w.notices)(Notice::LoadFailed { path, why });
+            this.w.drain_store_notices();
         };
-        let loaded = match self.store.load(cand, prompt) {
+        let loaded = match self.w.store.load(cand, prompt) {
             Ok(l) => l,
             Err(e) => {
                 not_restored(self, Some(cand.path.clone()), e.to_string());
@@ -336,7 +347,7 @@ impl Persist {
             not_restored(self, Some(cand.path.clone()), why);
             return None;
         }
-        if let Some(m) = &self.tool_memory {
+        if let Some(m) = &self.w.tool_memory {
             for s in loaded
                 .sections
                 .iter()
@@ -354,7 +365,7 @@ impl Persist {
                 bytes as f64 / secs,
             );
         }
-        (self.notices)(Notice::Restored {
+        (self.w.notices)(Notice::Restored {
             slot,
             tokens: session.tokens().len(),
             text_bytes: loaded.text.len(),
@@ -378,7 +389,10 @@ impl Persist {
     /// recorded, with the other K/V type (its rows were rounded differently),
     /// another model or a larger context.
     fn explain_miss(&self, prompt: &[u8], n_ctx: usize) {
-        let Ok(Some((path, h, why))) = self.store.lookup_refused(prompt, &self.model, n_ctx as u32)
+        let Ok(Some((path, h, why))) =
+            self.w
+                .store
+                .lookup_refused(prompt, &self.w.model, n_ctx as u32)
         else {
             return;
         };
@@ -394,7 +408,7 @@ impl Persist {
         } else {
             format!("its text is a prefix of the prompt, but {why}")
         };
-        (self.notices)(Notice::Skipped {
+        (self.w.notices)(Notice::Skipped {
             path,
             tokens: h.tokens as usize,
             why,
@@ -405,7 +419,7 @@ impl Persist {
     /// the prompt's text with control tokens elsewhere (special-token text
     /// typed in content), or (`why`) it cannot be cut back where it departs.
     pub fn refuse(&self, path: &std::path::Path, why: Option<&str>) {
-        (self.notices)(Notice::LoadFailed {
+        (self.w.notices)(Notice::LoadFailed {
             path: Some(path.to_path_buf()),
             why: why
                 .unwrap_or(
@@ -468,16 +482,46 @@ impl Persist {
     /// enough; the file written, if one was. Failures (full disk, permissions)
     /// are reported and otherwise ignored.
     pub fn save(&mut self, slot: usize, session: &Session, reason: SaveReason) -> Option<PathBuf> {
+        self.w.save(slot, session, reason)
+    }
+
+    /// The part of this that writes checkpoints, for a thread of its own.
+    pub fn writer(&self) -> Arc<Writer> {
+        Arc::clone(&self.w)
+    }
+}
+
+impl Writer {
+    /// Saves the whole session of slot `slot` under `reason` if it is long
+    /// enough; the file written, if one was. Failures (full disk, permissions)
+    /// are reported and otherwise ignored.
+    pub fn save(&self, slot: usize, session: &Session, reason: SaveReason) -> Option<PathBuf> {
+        let text = session.model().tokenizer.prompt_text(session.tokens());
+        match self.save_text(slot, session, reason, &text) {
+            Some((path, true)) => Some(path),
+            _ => None,
+        }
+    }
+
+    /// [`save`](Self::save) with the session's text given (`prompt_text` of
+    /// its tokens); the checkpoint that holds it, and whether this wrote it
+    /// (not when the store already had it).
+    pub fn save_text(
+        &self,
+        slot: usize,
+        session: &Session,
+        reason: SaveReason,
+        text: &[u8],
+    ) -> Option<(PathBuf, bool)> {
         let n = session.tokens().len();
-        if n < self.policy().min_tokens.max(1) {
+        if n < self.store.policy().min_tokens.max(1) {
             return None;
         }
         let t = Instant::now();
-        let text = session.model().tokenizer.prompt_text(session.tokens());
         let sections: Vec<_> = self
             .tool_memory
             .as_ref()
-            .and_then(|m| m.section_for(&String::from_utf8_lossy(&text)))
+            .and_then(|m| m.section_for(&String::from_utf8_lossy(text)))
             .into_iter()
             .collect();
         let mut write = |w: &mut dyn std::io::Write| {
@@ -485,7 +529,7 @@ impl Persist {
             session.save_payload(&mut w).map_err(std::io::Error::other)
         };
         let req = SaveRequest {
-            text: &text,
+            text,
             payload: Payload::Stream {
                 estimated_bytes: session.payload_bytes(),
                 write: &mut write,
@@ -505,7 +549,7 @@ impl Persist {
             Ok(SaveOutcome::Saved {
                 file_bytes, path, ..
             }) => {
-                self.saved_tokens += n;
+                self.saved_tokens.fetch_add(n, Ordering::Relaxed);
                 (self.notices)(Notice::Saved {
                     slot,
                     tokens: n,
@@ -514,9 +558,9 @@ impl Persist {
                     save_ms: t.elapsed().as_secs_f64() * 1e3,
                     path: path.clone(),
                 });
-                Some(path)
+                Some((path, true))
             }
-            Ok(SaveOutcome::Kept { .. }) => None,
+            Ok(SaveOutcome::Kept { path }) => Some((path, false)),
             Ok(SaveOutcome::Skipped(why)) => {
                 (self.notices)(Notice::SaveSkipped {
                     slot,
@@ -526,7 +570,7 @@ impl Persist {
                 None
             }
             Err(e) => {
-                self.save_failures += 1;
+                self.save_failures.fetch_add(1, Ordering::Relaxed);
                 (self.notices)(Notice::SaveFailed {
                     slot,
                     tokens: n,
@@ -536,8 +580,28 @@ impl Persist {
                 None
             }
         };
-        self.evictions += self.drain_store_notices();
+        self.evictions
+            .fetch_add(self.drain_store_notices(), Ordering::Relaxed);
         saved
+    }
+
+    /// Removes checkpoint `path` (a turn end the next one of its conversation
+    /// supersedes), with a notice saying why.
+    pub fn remove(&self, path: &std::path::Path, why: &str) {
+        let Some(hash) = path.file_stem().and_then(|s| s.to_str()) else {
+            return;
+        };
+        match self.store.remove(hash) {
+            Ok(true) => (self.notices)(Notice::Store(format!(
+                "kv cache removed {}: {why}",
+                path.display()
+            ))),
+            Ok(false) => {}
+            Err(e) => (self.notices)(Notice::Store(format!(
+                "kv cache could not remove {}: {e}",
+                path.display()
+            ))),
+        }
     }
 
     /// Hands the store's pending notices on; returns how many were evictions.

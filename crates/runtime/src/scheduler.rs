@@ -27,6 +27,7 @@ use crate::job::{Event, FinishReason, Job, JobError, SubmitError, Usage};
 use crate::notice::{Finished, Notice, NoticeSink, Planned};
 use crate::persist::{Persist, StoreUsage};
 use crate::plan::{plan, Held, Plan};
+use crate::saver::{Lend, Returned, Saver, TurnFile};
 
 /// Reusable tokens that make a slot the place for a job even when the job
 /// replaces the rest of what it holds (a shared system prompt and tool list,
@@ -207,6 +208,8 @@ impl Runtime {
             .map(|(id, session)| Slot {
                 id,
                 session,
+                lent: None,
+                turn_file: None,
                 run: None,
                 keys: VecDeque::new(),
                 frontier: 0,
@@ -216,10 +219,12 @@ impl Runtime {
         let thread = std::thread::Builder::new()
             .name("ds4-engine".into())
             .spawn(move || {
+                let saver = persist.as_ref().map(|p| Saver::start(p.writer()));
                 let mut engine = Engine {
                     slots,
                     batch,
                     persist,
+                    saver,
                     waiting: VecDeque::new(),
                     shared,
                     notices,
@@ -253,7 +258,13 @@ fn slot_info(id: usize, s: &Session, busy: bool) -> SlotInfo {
 
 struct Slot {
     id: usize,
+    /// A placeholder while the session is lent to the saver.
     session: Session,
+    /// The text and context of the session lent to the saver (its turn end
+    /// being written); the slot is not idle until it comes back.
+    lent: Option<(Vec<u8>, usize)>,
+    /// Its conversation's last turn-end checkpoint.
+    turn_file: Option<TurnFile>,
     run: Option<Box<Run>>,
     /// Affinity keys of the jobs it ran, newest last.
     keys: VecDeque<String>,
@@ -303,6 +314,8 @@ struct Engine {
     slots: Vec<Slot>,
     batch: Batch,
     persist: Option<Persist>,
+    /// Writes turn ends off this thread (with a store).
+    saver: Option<Saver>,
     waiting: VecDeque<(Job, Instant)>,
     shared: Arc<Shared>,
     notices: NoticeSink,
@@ -331,6 +344,9 @@ enum Feed {
 impl Engine {
     fn run(&mut self, rx: mpsc::Receiver<(Job, Instant)>) {
         loop {
+            while let Some(r) = self.saver.as_ref().and_then(Saver::try_take) {
+                self.take_back(r);
+            }
             let idle = self.slots.iter().all(|s| s.run.is_none()) && self.waiting.is_empty();
             if idle {
                 match rx.recv() {
@@ -351,6 +367,18 @@ impl Engine {
             self.assign_waiting();
             if self.slots.iter().any(|s| s.run.is_some()) {
                 self.step();
+            } else if !self.waiting.is_empty() {
+                // Nothing runs and the first waiting job waits for a lent
+                // conversation: wait for a save to end.
+                match self.saver.as_ref().and_then(Saver::take) {
+                    Some(r) => self.take_back(r),
+                    None => self.lent_lost(),
+                }
+            }
+        }
+        if let Some(saver) = &mut self.saver {
+            for r in saver.finish() {
+                self.take_back(r);
             }
         }
         for i in 0..self.slots.len() {
@@ -395,7 +423,22 @@ impl Engine {
     /// 4. the least valuable one: empty first, then the fewest tokens, the
     ///    longest idle.
     fn choose(&self, job: &Job) -> Option<Choice> {
-        let idle = || self.slots.iter().filter(|s| s.run.is_none());
+        let idle = || {
+            self.slots
+                .iter()
+                .filter(|s| s.run.is_none() && s.lent.is_none())
+        };
+        // A job that continues a conversation whose turn end is being saved
+        // waits for it rather than starting elsewhere from less.
+        let continues_lent = self.slots.iter().any(|s| {
+            s.lent
+                .as_ref()
+                .is_some_and(|(text, _)| job.prompt.as_bytes().starts_with(text))
+                || (s.lent.is_some() && job.affinity.iter().any(|k| s.keys.contains(k)))
+        });
+        if continues_lent {
+            return None;
+        }
         idle().next()?;
         let reuse = |s: &Slot| {
             let reused = Held::of(&s.session, &job.ids).tokens(&s.session);
@@ -836,12 +879,13 @@ impl Engine {
             },
         };
         let run = *run;
-        let turn_save = run.job.turn_save;
         let final_reason = if run.gen.is_none() {
             FinishReason::Cancelled
         } else {
             finish
         };
+        let turn_save = run.job.turn_save;
+        let saved_turn = error.is_none() && final_reason != FinishReason::Cancelled;
         (self.notices)(Notice::Finished(Box::new(Finished {
             job: run.job.id,
             route: run.job.route,
@@ -875,13 +919,63 @@ impl Engine {
         })));
         self.shared.depth.fetch_sub(1, Ordering::AcqRel);
         self.publish(i);
-        let done = matches!(last, Event::Done { finish, .. } if finish != FinishReason::Cancelled);
         let _ = events.blocking_send(last);
-        if let (Some(reason), Some(p), true) = (turn_save, &mut self.persist, done) {
-            let s = &self.slots[i];
-            p.save(s.id, &s.session, reason);
-            self.publish(i);
+        if let Some(reason) = turn_save.filter(|_| saved_turn) {
+            self.lend(i, reason);
         }
+    }
+
+    /// Lends slot `i`'s session to the saver to write its turn end.
+    fn lend(&mut self, i: usize, reason: SaveReason) {
+        let (Some(saver), Some(p)) = (&self.saver, &self.persist) else {
+            return;
+        };
+        let slot = &mut self.slots[i];
+        if slot.session.tokens().len() < p.min_tokens() {
+            return;
+        }
+        let text = slot
+            .session
+            .model()
+            .tokenizer
+            .prompt_text(slot.session.tokens());
+        let placeholder = slot.session.sibling(1);
+        let session = std::mem::replace(&mut slot.session, placeholder);
+        slot.lent = Some((text.clone(), session.n_ctx()));
+        let lend = Lend {
+            slot: i,
+            session,
+            reason,
+            text,
+            previous: slot.turn_file.take(),
+        };
+        if let Err(r) = saver.lend(lend) {
+            self.take_back(*r);
+        }
+    }
+
+    /// A lent session is back: the slot holds it again.
+    fn take_back(&mut self, r: Returned) {
+        let slot = &mut self.slots[r.slot];
+        slot.session = r.session;
+        slot.lent = None;
+        slot.turn_file = r.saved;
+    }
+
+    /// The saver is gone with sessions lent (it panicked): their slots start
+    /// over empty rather than wait forever.
+    fn lent_lost(&mut self) {
+        for slot in self.slots.iter_mut() {
+            let Some((_, n_ctx)) = slot.lent.take() else {
+                continue;
+            };
+            slot.session = slot.session.sibling(n_ctx);
+            (self.notices)(Notice::Store(format!(
+                "slot {}: its conversation was lost while saving its turn end",
+                slot.id
+            )));
+        }
+        self.saver = None;
     }
 
     /// Updates slot `i`'s public state, and the store's.

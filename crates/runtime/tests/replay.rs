@@ -2,7 +2,8 @@
 //! with a tool list, tool results appended turn by turn, a cache breakpoint on
 //! the last message, as Claude Code sends) on the default model, with a restart
 //! before request 5 — graceful (a shutdown save of prompt 4 and its reply) and
-//! `kill -9` (only the saves made while serving) — where request 5 resends
+//! `kill -9` (only the saves made while serving: with turn-end saves, prompt
+//! 4 and its reply too) — where request 5 resends
 //! prompt 4 with its reply edited (`clear_thinking`, a re-serialised tool
 //! call): it shares the prompt, not the reply. Each restart is replayed under
 //! the whole-prefix rule and the partial rule; the per-request table is
@@ -25,7 +26,9 @@ fn model() -> Arc<Model> {
     }))
 }
 
-fn start(store: &Path, whole_only: bool) -> Runtime {
+type Log = Arc<Mutex<Vec<String>>>;
+
+fn start(store: &Path, whole_only: bool) -> (Runtime, Log) {
     let pool = Arc::new(ThreadPool::new(2));
     let opts = SessionOptions {
         n_ctx: 8192,
@@ -34,9 +37,11 @@ fn start(store: &Path, whole_only: bool) -> Runtime {
         kv_type: KvType::F16,
     };
     let s = Session::new(model(), Arc::clone(&pool), &opts);
-    let log = Arc::new(Mutex::new(Vec::<String>::new()));
-    let sink: ds4_runtime::NoticeSink =
-        Arc::new(move |n: Notice| log.lock().unwrap().push(n.to_string()));
+    let log: Log = Arc::default();
+    let sink: ds4_runtime::NoticeSink = {
+        let log = Arc::clone(&log);
+        Arc::new(move |n: Notice| log.lock().unwrap().push(n.to_string()))
+    };
     let p = Persist::new(
         Store::open(store, StoreConfig::default()).unwrap(),
         &s,
@@ -44,14 +49,39 @@ fn start(store: &Path, whole_only: bool) -> Runtime {
         Arc::clone(&sink),
     );
     let p = if whole_only { p.whole_prefix_only() } else { p };
-    Runtime::start(vec![s], pool, Some(p), RuntimeConfig::default(), sink)
+    (
+        Runtime::start(vec![s], pool, Some(p), RuntimeConfig::default(), sink),
+        log,
+    )
+}
+
+/// Waits (at most a minute) for `n` turn-end saves: what a `kill -9` a
+/// moment after the response finds on disk.
+fn wait_for_turn_ends(log: &Log, n: usize) {
+    let t = std::time::Instant::now();
+    let count = || {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.contains("reason=turn-end"))
+            .count()
+    };
+    while count() < n {
+        assert!(
+            t.elapsed().as_secs() < 60,
+            "{} of {n} turn ends saved",
+            count()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 /// Runs one request greedily: its reply and usage.
 fn send(rt: &Runtime, prompt: &str) -> (String, Usage) {
     let ids = model().tokenizer.encode(prompt, true, true);
     // Claude Code marks its last message for caching.
-    let (job, rx) = greedy_job(prompt, ids, 24, &[], vec![prompt.len()]);
+    let (mut job, rx) = greedy_job(prompt, ids, 24, &[], vec![prompt.len()]);
+    job.turn_save = Some(ds4_kvstore::SaveReason::TurnEnd);
     rt.handle.submit(job).unwrap();
     let (text, _, usage) = collect(rx);
     (text, usage)
@@ -156,7 +186,7 @@ fn a_restart_before_request_5_reuses_the_shared_prompt() {
     );
     let mut before = String::new();
     let mut first = Vec::new();
-    let rt = start(&serving, false);
+    let (rt, log) = start(&serving, false);
     let mut reply = String::new();
     for request in 1..=4 {
         if request > 1 {
@@ -177,6 +207,7 @@ fn a_restart_before_request_5_reuses_the_shared_prompt() {
         before = format!("{prompt}{r}");
         reply = r;
     }
+    wait_for_turn_ends(&log, 4);
     copy_dir(&serving, &crashed);
     rt.handle.begin_shutdown();
     rt.join();
@@ -203,7 +234,7 @@ fn a_restart_before_request_5_reuses_the_shared_prompt() {
         for whole_only in [true, false] {
             let dir = base.join(format!("{variant}-{whole_only}").replace(' ', "-"));
             copy_dir(store, &dir);
-            let rt = start(&dir, whole_only);
+            let (rt, _) = start(&dir, whole_only);
             let (r5, u5) = send(&rt, &prompt5);
             let prompt6 = format!("{prompt5}{r5}<|im_end|>\n{}", turn(&tool_result(5)));
             let shared6 = shared_tokens(&prompt6, &format!("{prompt5}{r5}"));
@@ -246,14 +277,17 @@ fn a_restart_before_request_5_reuses_the_shared_prompt() {
             assert!(r.new.0 >= r.old.0, "{variant}: request {}", r.request);
         }
     }
-    // The graceful restart brings back the shared prompt.
-    let r5 = &tables[0].1[4];
-    assert_eq!(r5.new.1, CacheSource::DiskTextPartial);
-    assert!(
-        r5.new.0 as f64 >= 0.95 * r5.shared as f64,
-        "reused {} of {} shared",
-        r5.new.0,
-        r5.shared
-    );
+    // Either restart brings back the shared prompt: a kill -9 finds request
+    // 4's turn end on disk as a graceful stop leaves its shutdown save.
+    for (variant, rows) in &tables {
+        let r5 = &rows[4];
+        assert_eq!(r5.new.1, CacheSource::DiskTextPartial, "{variant}");
+        assert!(
+            r5.new.0 as f64 >= 0.95 * r5.shared as f64,
+            "{variant}: reused {} of {} shared",
+            r5.new.0,
+            r5.shared
+        );
+    }
     let _ = std::fs::remove_dir_all(&base);
 }

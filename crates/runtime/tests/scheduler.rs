@@ -80,9 +80,34 @@ impl Rt {
         max_tokens: usize,
         affinity: &[&str],
     ) -> Result<mpsc::Receiver<Event>, SubmitError> {
+        self.submit_job(prompt, max_tokens, affinity, None)
+    }
+
+    fn submit_job(
+        &self,
+        prompt: &str,
+        max_tokens: usize,
+        affinity: &[&str],
+        turn_save: Option<SaveReason>,
+    ) -> Result<mpsc::Receiver<Event>, SubmitError> {
         let ids = model().tokenizer.encode(prompt, true, true);
-        let (job, rx) = greedy_job(prompt, ids, max_tokens, affinity, vec![]);
+        let (mut job, rx) = greedy_job(prompt, ids, max_tokens, affinity, vec![]);
+        job.turn_save = turn_save;
         self.rt.as_ref().unwrap().handle.submit(job).map(|()| rx)
+    }
+
+    /// Waits (at most a minute) until `n` saves of `reason` were made.
+    fn wait_for_saves(&self, reason: SaveReason, n: usize) {
+        let t = std::time::Instant::now();
+        while self.saves(reason) < n {
+            assert!(
+                t.elapsed().as_secs() < 60,
+                "{} of {n} {reason} saves: {:?}",
+                self.saves(reason),
+                self.notices.lock().unwrap()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
 
     fn saves(&self, reason: SaveReason) -> usize {
@@ -332,28 +357,16 @@ fn a_turn_end_checkpoint_beats_a_live_prefix_of_it() {
         "You are a careful assistant for a lighthouse keeper. ".repeat(8)
     );
     let submit = |prompt: &str, max_tokens, save| {
-        let ids = model().tokenizer.encode(prompt, true, true);
-        let (mut job, rx) = greedy_job(prompt, ids, max_tokens, &[], vec![]);
-        job.turn_save = save;
-        rt.rt.as_ref().unwrap().handle.submit(job).unwrap();
-        collect(rx)
+        collect(rt.submit_job(prompt, max_tokens, &[], save).unwrap())
     };
     let first =
         format!("{system}<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n");
-    // The save comes after the job's last event.
-    let saved = |reason| {
-        let t = std::time::Instant::now();
-        while rt.saves(reason) == 0 && t.elapsed().as_secs() < 10 {
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        rt.saves(reason)
-    };
     let (a, finish, _) = submit(&first, 8, Some(SaveReason::AgentSession));
-    assert_eq!(saved(SaveReason::AgentSession), 1);
+    rt.wait_for_saves(SaveReason::AgentSession, 1);
     // The slot goes back to the system prompt alone: nothing generated.
     let (text, _, u) = submit(&system, 0, Some(SaveReason::AgentSystem));
     assert_eq!((text.as_str(), u.completion_tokens), ("", 0));
-    assert_eq!(saved(SaveReason::AgentSystem), 1);
+    rt.wait_for_saves(SaveReason::AgentSystem, 1);
     let end = if finish == FinishReason::Stop {
         "<|im_end|>"
     } else {
@@ -365,6 +378,72 @@ fn a_turn_end_checkpoint_beats_a_live_prefix_of_it() {
     let (_, _, u) = submit(&next, 4, None);
     assert_eq!(u.cache_source, CacheSource::DiskText, "{u:?}");
     assert!(u.cached_tokens > u.prompt_tokens - 16, "{u:?}");
+    drop(rt);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Each turn end is saved in the background: a second runtime on the same
+/// store (what a restart after `kill -9` finds) continues the conversation
+/// from the whole of it, prompt and answer; the next turn's save supersedes
+/// the previous one (one file per conversation), and a turn that follows at
+/// once waits for its conversation's save and continues from memory.
+#[test]
+fn turn_ends_are_saved_in_the_background_and_serve_a_restart() {
+    let dir = std::env::temp_dir().join(format!("ds4-sched-turn-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let turn_end = Some(SaveReason::TurnEnd);
+    let rt = Rt::start(2, Some(&dir), RuntimeConfig::default());
+    let p1 = format!(
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{}",
+        chat("Tell me about the history of Paris in a few sentences.")
+    );
+    let (r1, _, u1) = collect(rt.submit_job(&p1, 24, &[], turn_end).unwrap());
+    let held1 = u1.prompt_tokens + u1.completion_tokens;
+    rt.wait_for_saves(SaveReason::TurnEnd, 1);
+
+    // The restart: nothing but what is on disk.
+    let p2 = format!("{p1}{r1}<|im_end|>\n{}", chat("And of Lyon?"));
+    {
+        let other = Rt::start(1, Some(&dir), RuntimeConfig::default());
+        // (Fewer tokens than the turn below, so its shutdown save is another file.)
+        let (_, _, u) = collect(other.submit_job(&p2, 4, &[], None).unwrap());
+        assert_eq!(u.cache_source, CacheSource::DiskText, "{u:?}");
+        assert!(
+            u.cached_tokens + 1 >= held1,
+            "restored {} of the {held1} tokens of the first turn",
+            u.cached_tokens
+        );
+    }
+
+    // The next turn, sent the moment the first answer ended, continues from
+    // the live slot; its save replaces the first one.
+    let (r2, _, u2) = collect(rt.submit_job(&p2, 8, &[], turn_end).unwrap());
+    assert!(
+        matches!(
+            u2.cache_source,
+            CacheSource::MemoryToken | CacheSource::MemoryText
+        ),
+        "{u2:?}"
+    );
+    assert!(u2.cached_tokens + 1 >= held1, "{u2:?}");
+    let p3 = format!("{p2}{r2}<|im_end|>\n{}", chat("Thanks."));
+    let (_, _, u3) = collect(rt.submit_job(&p3, 4, &[], turn_end).unwrap());
+    assert!(
+        matches!(
+            u3.cache_source,
+            CacheSource::MemoryToken | CacheSource::MemoryText
+        ),
+        "a turn that waited for its conversation's save: {u3:?}"
+    );
+    rt.wait_for_saves(SaveReason::TurnEnd, 3);
+    let store = Store::open(&dir, StoreConfig::default()).unwrap();
+    let turn_ends = store
+        .entries()
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.header.reason == SaveReason::TurnEnd)
+        .count();
+    assert_eq!(turn_ends, 1, "one turn-end file per conversation");
     drop(rt);
     let _ = std::fs::remove_dir_all(&dir);
 }

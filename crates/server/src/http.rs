@@ -89,6 +89,8 @@ pub(crate) struct AppState {
     pub grammar: Result<ds4_grammar::Vocab, String>,
     pub metrics: Arc<Metrics>,
     pub tool_memory: Arc<ToolMemory>,
+    /// Stored Responses conversations (`previous_response_id`).
+    pub conversations: Arc<ds4_runtime::Conversations>,
     pub trace: Option<Arc<Trace>>,
     pub normalizer: Normalizer,
     /// Permits for request CPU work ([`cpu`]): one per core.
@@ -108,13 +110,15 @@ pub fn default_body_limit(tok: &ds4_engine::Tokenizer, n_ctx: usize) -> usize {
 }
 
 /// Builds the router over a running worker of `model`; `tool_memory` is shared
-/// with the worker's checkpoints. Fails only on an invalid normalisation pattern.
+/// with the worker's checkpoints, `conversations` keeps stored responses.
+/// Fails only on an invalid normalisation pattern.
 pub fn router(
     cfg: ServerConfig,
     runtime: RuntimeHandle,
     model: Arc<Model>,
     metrics: Arc<Metrics>,
     tool_memory: Arc<ToolMemory>,
+    conversations: Arc<ds4_runtime::Conversations>,
     trace: Option<Arc<Trace>>,
 ) -> Result<Router, regex::Error> {
     let max_body = cfg
@@ -135,6 +139,7 @@ pub fn router(
         grammar,
         metrics,
         tool_memory,
+        conversations,
         trace,
         normalizer,
         cpu_slots: tokio::sync::Semaphore::new(
@@ -374,7 +379,7 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> R
         affinity: affinity(&p),
         breakpoints: r.breakpoints,
         gate: r.gate,
-        turn_save: None,
+        turn_save: Some(ds4_kvstore::SaveReason::TurnEnd),
         meta: json!({ "tool_replay": { "exact": r.replay.exact, "canonical": r.replay.canonical } }),
         events: tx,
     };

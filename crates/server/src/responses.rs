@@ -2,9 +2,15 @@
 //! message out, as a response object or the typed SSE events the official SDKs
 //! consume (`response.created` … `response.completed`).
 //!
-//! Stateless by design: the server keeps no responses, so `previous_response_id`,
-//! `conversation` and `background` are refused and clients replay the full input
-//! (the live session still reuses the shared prompt prefix). Function tools
+//! Stateful where asked: a response with `store` (true unless `false`, as
+//! OpenAI's default) keeps its conversation — the input messages (not the
+//! `instructions`, which the API does not carry over) and its answer — in the
+//! runtime's [`Conversations`], durably beside the checkpoint store; a request
+//! with `previous_response_id` sends only its new input and continues that
+//! conversation (restored from disk after a restart: the turn-end checkpoint
+//! serves its state). An unknown or expired id is a 404
+//! `previous_response_not_found`. `conversation`, `background` and
+//! `item_reference` items are refused (clients replay the full input). Function tools
 //! (`tools`, `tool_choice`, `function_call` / `function_call_output` items) are
 //! supported; hosted tools are skipped. `reasoning.effort` selects the thinking
 //! mode; `reasoning` input items are dropped (the family re-renders what it keeps).
@@ -30,12 +36,12 @@ use crate::http::{run, AppState};
 use crate::openai::{bad_request_response, error_response, tool_choice};
 use ds4_chat::turn::{CallOut, Piece, Turn};
 use ds4_chat::ToolCall;
-use ds4_runtime::{FinishReason, Usage};
+use ds4_runtime::{Conversations, FinishReason, Usage};
 
-/// The request fields we read. `store`, `metadata`, `user`,
-/// `parallel_tool_calls` and `truncation` are type-checked and otherwise ignored
-/// (the response object echoes `metadata`, `user` and `parallel_tool_calls`, and
-/// states `store: false`, `truncation: "disabled"`, which is what happens). Fields
+/// The request fields we read. `metadata`, `user`, `parallel_tool_calls` and
+/// `truncation` are type-checked and otherwise ignored (the response object
+/// echoes `metadata`, `user`, `parallel_tool_calls` and `store`, and states
+/// `truncation: "disabled"`, which is what happens). Fields
 /// not listed (`include`, `service_tier`, …) are ignored.
 #[derive(Deserialize)]
 struct Body {
@@ -46,7 +52,6 @@ struct Body {
     #[serde(flatten)]
     sampling: SamplingFields,
     stream: Option<bool>,
-    #[allow(dead_code)] // accepted so that a wrong type is still a 400
     store: Option<bool>,
     metadata: Option<Value>,
     user: Option<String>,
@@ -105,6 +110,13 @@ struct Echo {
 #[derive(Debug, Default)]
 pub struct Responses {
     echo: Echo,
+    /// The stored response this one continues.
+    previous: Option<String>,
+    /// Whether this response is kept (`store`).
+    store: bool,
+    /// Where this response's conversation is kept when it is stored, and its
+    /// messages before the answer (without the instructions).
+    record: Option<(Arc<Conversations>, Vec<Message>)>,
     /// `sequence_number` of the next SSE event.
     seq: AtomicU64,
     /// The text streamed so far, for the `response.failed` object.
@@ -123,12 +135,6 @@ fn bad(message: impl Into<String>, param: &'static str) -> BadRequest {
 pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
     let b: Body = serde_json::from_slice(body)
         .map_err(|e| BadRequest::new(format!("invalid JSON request: {e}"), None))?;
-    if b.previous_response_id.is_some() {
-        return Err(bad(
-            "previous_response_id is not supported: this server keeps no responses; replay the full input instead",
-            "previous_response_id",
-        ));
-    }
     if b.conversation.as_ref().is_some_and(|c| !c.is_null()) {
         return Err(bad(
             "conversation is not supported: this server keeps no conversations; replay the full input instead",
@@ -189,9 +195,6 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
     }
 
     let mut messages = Vec::new();
-    if let Some(s) = b.instructions.as_deref().filter(|s| !s.is_empty()) {
-        messages.push(Message::new(Role::System, s));
-    }
     match b.input {
         None | Some(Value::Null) => return Err(bad("missing `input`", "input")),
         Some(Value::String(s)) => messages.push(Message::new(Role::User, s)),
@@ -229,6 +232,11 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         tools: b.tools.filter(|t| !t.is_null()).unwrap_or(json!([])),
         text_format: text_format.unwrap_or(json!({ "type": "text" })),
     };
+    // The instructions lead the prompt; a stored conversation keeps only the
+    // messages after them (`attach` puts the one continued between).
+    if let Some(s) = echo.instructions.as_deref().filter(|s| !s.is_empty()) {
+        messages.insert(0, Message::new(Role::System, s));
+    }
     let request = Request {
         model: b.model,
         input: Input::Messages(messages),
@@ -239,7 +247,53 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         include_usage: true,
         agent,
     };
-    Ok((request, Responses::new(echo)))
+    let mut dialect = Responses::new(echo);
+    dialect.previous = b.previous_response_id;
+    dialect.store = b.store.unwrap_or(true);
+    Ok((request, dialect))
+}
+
+/// Why a request that parsed cannot run.
+pub(crate) enum Refusal {
+    Bad(BadRequest),
+    /// `previous_response_id` names no kept response.
+    UnknownPrevious(String),
+}
+
+impl From<BadRequest> for Refusal {
+    fn from(e: BadRequest) -> Self {
+        Refusal::Bad(e)
+    }
+}
+
+/// Puts the conversation `previous_response_id` names before the request's
+/// input, and keeps what this response's stored conversation will hold.
+fn attach(
+    conversations: &Arc<Conversations>,
+    request: &mut Request,
+    dialect: &mut Responses,
+) -> Result<(), Refusal> {
+    let Input::Messages(messages) = &mut request.input else {
+        return Ok(());
+    };
+    let lead = usize::from(
+        dialect
+            .echo
+            .instructions
+            .as_deref()
+            .is_some_and(|s| !s.is_empty()),
+    );
+    if let Some(id) = &dialect.previous {
+        let before = conversations
+            .get(id)
+            .map_err(|e| Refusal::Bad(bad(e.to_string(), "previous_response_id")))?
+            .ok_or_else(|| Refusal::UnknownPrevious(id.clone()))?;
+        messages.splice(lead..lead, before);
+    }
+    if dialect.store {
+        dialect.record = Some((Arc::clone(conversations), messages[lead..].to_vec()));
+    }
+    Ok(())
 }
 
 /// A string field of input item `i`.
@@ -376,9 +430,25 @@ fn content_text(v: Option<&Value>, i: usize) -> Result<String, BadRequest> {
 
 /// `POST /v1/responses`.
 pub(crate) async fn create(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    match crate::http::cpu(&st, move |_| parse(&body)).await {
+    let conversations = Arc::clone(&st.conversations);
+    let parsed = crate::http::cpu(&st, move |_| {
+        let (mut p, mut d) = parse(&body)?;
+        attach(&conversations, &mut p, &mut d)?;
+        Ok((p, d))
+    })
+    .await;
+    match parsed {
         Ok((p, d)) => run(st, p, Arc::new(d)).await,
-        Err(e) => Responses::default().bad_request(e),
+        Err(Refusal::Bad(e)) => Responses::default().bad_request(e),
+        Err(Refusal::UnknownPrevious(id)) => {
+            let body = json!({ "error": {
+                "message": format!("Previous response with id '{id}' not found."),
+                "type": "invalid_request_error",
+                "param": "previous_response_id",
+                "code": "previous_response_not_found",
+            }});
+            axum::response::IntoResponse::into_response((StatusCode::NOT_FOUND, axum::Json(body)))
+        }
     }
 }
 
@@ -493,6 +563,33 @@ impl Responses {
         }
     }
 
+    /// Keeps a stored response's conversation: its messages and its answer
+    /// (a failure is logged; the response itself is unaffected).
+    fn remember(&self, g: &Gen, turn: &Turn, finish: FinishReason) {
+        let Some((conversations, messages)) = &self.record else {
+            return;
+        };
+        if finish == FinishReason::Cancelled {
+            return;
+        }
+        let mut answer = Message::new(Role::Assistant, turn.content.clone());
+        answer.reasoning = (!turn.reasoning.is_empty()).then(|| turn.reasoning.clone());
+        answer.tool_calls = turn
+            .calls
+            .iter()
+            .map(|c| ToolCall {
+                id: c.id.clone(),
+                name: c.name.clone(),
+                arguments: c.arguments.clone(),
+            })
+            .collect();
+        let mut all = messages.clone();
+        all.push(answer);
+        if let Err(e) = conversations.put(&ids(g).0, &all) {
+            eprintln!("ds4 serve: response {} not stored: {e}", ids(g).0);
+        }
+    }
+
     /// A response object. `usage` is null until the end.
     fn object(
         &self,
@@ -516,9 +613,9 @@ impl Responses {
             "model": g.model,
             "output": output,
             "parallel_tool_calls": e.parallel_tool_calls,
-            "previous_response_id": null,
+            "previous_response_id": self.previous,
             "reasoning": { "effort": e.reasoning_effort, "summary": e.reasoning_summary },
-            "store": false,
+            "store": self.store,
             "temperature": short_float(e.temperature),
             "text": { "format": e.text_format },
             "tool_choice": e.tool_choice,
@@ -747,6 +844,7 @@ impl Dialect for Responses {
     }
 
     fn complete(&self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
+        self.remember(g, turn, finish);
         let (item_status, status, incomplete) = statuses(finish);
         let items = output_items(
             g,
@@ -783,6 +881,7 @@ impl Dialect for Responses {
         u: &Usage,
         _include_usage: bool,
     ) -> Vec<SseEvent> {
+        self.remember(g, turn, finish);
         sse(self.end_events(g, turn, finish, u))
     }
 
@@ -979,11 +1078,6 @@ mod tests {
                 "replay the full input",
             ),
             (
-                r#"{"input":"x","previous_response_id":"resp_1"}"#,
-                "previous_response_id",
-                "keeps no responses; replay the full input",
-            ),
-            (
                 r#"{"input":"x","conversation":"conv_1"}"#,
                 "conversation",
                 "replay the full input",
@@ -1113,7 +1207,11 @@ mod tests {
             (&v["max_output_tokens"], &v["temperature"]),
             (&json!(3), &json!(0.0))
         );
-        assert_eq!((&v["tools"], &v["store"]), (&json!([]), &json!(false)));
+        // Stored unless `store: false`, as OpenAI's default.
+        assert_eq!((&v["tools"], &v["store"]), (&json!([]), &json!(true)));
+        let (_, unstored) = parse(br#"{"input":"x","store":false}"#).unwrap();
+        let v = unstored.complete(&gen(), &Turn::text("Paris"), FinishReason::Stop, &usage());
+        assert_eq!(v["store"], false);
         assert_eq!(v["top_p"], json!(0.9));
 
         let v = d.complete(&gen(), &Turn::text("Pa"), FinishReason::Length, &usage());
@@ -1299,5 +1397,56 @@ mod tests {
         assert_eq!(v["output"][1]["namespace"], "multi_agent_v1");
         assert_eq!(v["output"][2].get("namespace"), None);
         assert_eq!(v["tools"].as_array().map(Vec::len), Some(9));
+    }
+
+    /// `previous_response_id` puts the stored conversation after the new
+    /// instructions and before the new input; the response then stores the
+    /// whole of it with its answer; an unknown id is refused as such.
+    #[test]
+    fn a_previous_response_is_spliced_between_the_instructions_and_the_input() {
+        let conv = Arc::new(Conversations::open(None).unwrap());
+        let (mut p, mut d) = parse(br#"{"input":"first","instructions":"Be brief."}"#).unwrap();
+        assert!(attach(&conv, &mut p, &mut d).is_ok());
+        d.complete(&gen(), &Turn::text("one"), FinishReason::Stop, &usage());
+        let stored = conv.get("resp_7").unwrap().unwrap();
+        assert_eq!(
+            stored,
+            [
+                Message::new(Role::User, "first"),
+                Message::new(Role::Assistant, "one")
+            ]
+        );
+
+        let (mut p, mut d) = parse(
+            br#"{"input":"second","instructions":"Be kind.","previous_response_id":"resp_7"}"#,
+        )
+        .unwrap();
+        assert!(attach(&conv, &mut p, &mut d).is_ok());
+        let roles: Vec<(Role, &str)> = messages(&p)
+            .iter()
+            .map(|m| (m.role, m.content.as_str()))
+            .collect();
+        assert_eq!(
+            roles,
+            [
+                (Role::System, "Be kind."),
+                (Role::User, "first"),
+                (Role::Assistant, "one"),
+                (Role::User, "second"),
+            ]
+        );
+        let v = d.complete(&gen(), &Turn::text("two"), FinishReason::Stop, &usage());
+        assert_eq!(v["previous_response_id"], "resp_7");
+        assert_eq!(
+            conv.get("resp_7").unwrap().unwrap().len(),
+            4,
+            "replaced by the continuation"
+        );
+
+        let (mut p, mut d) = parse(br#"{"input":"x","previous_response_id":"resp_404"}"#).unwrap();
+        assert!(matches!(
+            attach(&conv, &mut p, &mut d),
+            Err(Refusal::UnknownPrevious(id)) if id == "resp_404"
+        ));
     }
 }

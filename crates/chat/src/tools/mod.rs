@@ -31,7 +31,7 @@ pub struct ToolSpec {
 }
 
 /// One call in an assistant turn.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ToolCall {
     pub id: String,
     pub name: String,

@@ -760,7 +760,7 @@ impl<'a> Agent<'a> {
     fn switch(&mut self, id: &str) -> Result<()> {
         let rec = self.index.load(id)?;
         self.save_index(None)?;
-        let history = rec.messages();
+        let history = rec.messages.clone();
         let prompt = self.state_text(&history);
         let rx = self.submit(&prompt, 0, None, Some(SaveReason::AgentSession))?;
         let outcome = stream(rx, self.bar_from(), None, |_| Ok(()))?;

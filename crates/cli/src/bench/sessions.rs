@@ -182,7 +182,7 @@ fn submit(
         affinity: vec![],
         breakpoints: vec![],
         gate: None,
-        turn_save: None,
+        turn_save: Some(ds4_kvstore::SaveReason::TurnEnd),
         meta: serde_json::Value::Null,
         events: tx,
     })

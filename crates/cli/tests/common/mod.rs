@@ -23,8 +23,15 @@ impl Server {
 
     /// `start` with extra environment variables for the server process.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
+        // One thread unless the test asks for more.
+        let threads: &[&str] = if args.contains(&"--threads") {
+            &[]
+        } else {
+            &["--threads", "1"]
+        };
         let mut child = Command::new(env!("CARGO_BIN_EXE_ds4"))
-            .args(["serve", "--port", "0", "--threads", "1"])
+            .args(["serve", "--port", "0"])
+            .args(threads)
             .args(args)
             .envs(env.iter().copied())
             .stdout(Stdio::null())
@@ -62,6 +69,26 @@ impl Server {
         if let Some(status) = self.child.try_wait().unwrap() {
             panic!("ds4 serve died: {status}\n{}", self.log());
         }
+    }
+
+    /// Waits (at most 30 s) until the log holds `needle` `n` times (a
+    /// background save's line, say).
+    pub fn wait_for_log(&self, needle: &str, n: usize) {
+        let t = std::time::Instant::now();
+        while self.log().matches(needle).count() < n {
+            assert!(
+                t.elapsed().as_secs() < 30,
+                "{n} x {needle:?} not seen:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// `kill -9`: no shutdown, no save.
+    pub fn kill9(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
     }
 
     /// SIGTERM, then wait for a clean exit.
