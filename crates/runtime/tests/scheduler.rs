@@ -375,9 +375,20 @@ fn a_turn_end_checkpoint_beats_a_live_prefix_of_it() {
     let next = format!(
         "{first}{a}{end}\n<|im_start|>user\nAnother one.<|im_end|>\n<|im_start|>assistant\n"
     );
-    let (_, _, u) = submit(&next, 4, None);
+    let (_, _, u) = submit(&next, 4, Some(SaveReason::AgentSession));
     assert_eq!(u.cache_source, CacheSource::DiskText, "{u:?}");
     assert!(u.cached_tokens > u.prompt_tokens - 16, "{u:?}");
+    // The conversation's next turn end, written after the system prompt's
+    // save on this slot, supersedes no anchor: the agent-system file stays.
+    rt.wait_for_saves(SaveReason::AgentSession, 2);
+    let store = Store::open(&dir, StoreConfig::default()).unwrap();
+    let reasons: Vec<SaveReason> = store
+        .entries()
+        .unwrap()
+        .into_iter()
+        .map(|e| e.header.reason)
+        .collect();
+    assert!(reasons.contains(&SaveReason::AgentSystem), "{reasons:?}");
     drop(rt);
     let _ = std::fs::remove_dir_all(&dir);
 }
