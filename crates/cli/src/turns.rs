@@ -36,19 +36,19 @@ pub enum Outcome {
 
 /// Receives a job's events until it ends: a bar (on stderr) for a prefill
 /// of at least `bar_from` tokens (`None`: never), each text piece to
-/// `on_text`. A rise of `interrupts` (Ctrl-C) stops it.
+/// `on_text`. `interrupts` counts Ctrl-C: one past its baseline (the count
+/// when the user sent the message) stops it.
 pub fn stream(
     mut rx: mpsc::Receiver<Event>,
     bar_from: Option<usize>,
-    interrupts: Option<&AtomicUsize>,
+    interrupts: Option<(&AtomicUsize, usize)>,
     mut on_text: impl FnMut(&str) -> Result<()>,
 ) -> Result<Outcome> {
     let t = Instant::now();
-    let seen = interrupts.map_or(0, |i| i.load(Ordering::Acquire));
     let mut bar: Option<indicatif::ProgressBar> = None;
     let mut first_text = None;
     let outcome = loop {
-        if interrupts.is_some_and(|i| i.load(Ordering::Acquire) != seen) {
+        if interrupts.is_some_and(|(i, seen)| i.load(Ordering::Acquire) != seen) {
             break Outcome::Interrupted;
         }
         let e = match interrupts {

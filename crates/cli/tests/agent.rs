@@ -211,10 +211,16 @@ fn ctrl_c_stops_a_generation_and_a_second_one_quits_with_a_save() {
     p.expect("(stopped; Ctrl-C again to quit)").unwrap();
     // The cancelled job left the slot consistent: the next turn runs.
     ask(&mut p, "Say hi.");
-    p.expect("> ").unwrap();
-    p.send(expectrl::ControlCode::EndOfText).unwrap();
+    // At the prompt Ctrl-C is a key to the line editor, once it has the
+    // terminal (a user cannot type faster than it takes it).
+    let at_prompt = |p: &mut Pty| {
+        p.expect("> ").unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        p.send(expectrl::ControlCode::EndOfText).unwrap();
+    };
+    at_prompt(&mut p);
     p.expect("(Ctrl-C again or /exit to quit)").unwrap();
-    p.send(expectrl::ControlCode::EndOfText).unwrap();
+    at_prompt(&mut p);
     p.expect(Eof).unwrap();
     // The session's index was written on the way out.
     let sessions: Vec<_> = std::fs::read_dir(home.join("sessions")).unwrap().collect();

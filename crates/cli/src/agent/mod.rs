@@ -73,6 +73,10 @@ pub struct AgentArgs {
     /// (default: $DS4_HOME/agent).
     #[arg(long, value_name = "DIR")]
     pub agent_dir: Option<PathBuf>,
+    /// Show every notice of the runtime and its store (plans, saves, loads,
+    /// removals), not only failures.
+    #[arg(short, long)]
+    pub verbose: bool,
     /// Byte budget of the agent's checkpoints in MiB (its own store, apart
     /// from the server's).
     #[arg(long, default_value_t = 2048)]
@@ -142,6 +146,8 @@ struct Agent<'a> {
     ui: Ui,
     sampling: SamplerConfig,
     interrupts: Arc<AtomicUsize>,
+    /// The Ctrl-C count when the current message was sent.
+    baseline: usize,
     jobs: usize,
     think: ThinkMode,
 }
@@ -187,19 +193,24 @@ impl<'a> Agent<'a> {
             (a.task.is_none()).then(|| home.join("history")),
             Arc::clone(&interrupts),
         );
-        // The runtime's notices that matter here, dimmed on stderr; plans,
-        // saves and loads are what the status line sums up.
-        let dim = !a.plain;
-        let notices: NoticeSink = Arc::new(move |n: Notice| match n {
-            Notice::Planned(_)
-            | Notice::Finished(_)
-            | Notice::Saved { .. }
-            | Notice::Restored { .. }
-            | Notice::SaveSkipped { .. } => {}
-            other => match dim {
-                true => eprintln!("\x1b[2m{other}\x1b[0m"),
-                false => eprintln!("{other}"),
-            },
+        // The runtime's failures dimmed on stderr (everything with
+        // --verbose); plans, saves and loads are what the status line sums up.
+        let (dim, verbose) = (!a.plain, a.verbose);
+        let notices: NoticeSink = Arc::new(move |n: Notice| {
+            let failure = matches!(
+                n,
+                Notice::Refused { .. }
+                    | Notice::SaveFailed { .. }
+                    | Notice::LoadFailed { .. }
+                    | Notice::Skipped { .. }
+            );
+            if !(failure || verbose) {
+                return;
+            }
+            match dim {
+                true => eprintln!("\x1b[2m{n}\x1b[0m"),
+                false => eprintln!("{n}"),
+            }
         });
         let persist = Persist::new(runtime_store, &session, None, Arc::clone(&notices));
         let n_ctx = session.n_ctx();
@@ -236,6 +247,7 @@ impl<'a> Agent<'a> {
             ui,
             sampling: a.sampling.config(),
             interrupts,
+            baseline: 0,
             jobs: 0,
             think,
         };
@@ -391,7 +403,7 @@ impl<'a> Agent<'a> {
             }
             match self.message(line)? {
                 Reply::Interrupted => {
-                    if self.interrupts.load(Ordering::Acquire) >= 2 {
+                    if self.interrupts.load(Ordering::Acquire) >= self.baseline + 2 {
                         break;
                     }
                     armed = true;
@@ -418,6 +430,7 @@ impl<'a> Agent<'a> {
 
     /// Runs one user message to its answer.
     fn message(&mut self, text: &str) -> Result<Reply> {
+        self.baseline = self.interrupts.load(Ordering::Acquire);
         self.history.push(Message::new(Role::User, text));
         let mut turn_stats = TurnStats::default();
         let mut reply = Reply::Failed;
@@ -509,7 +522,7 @@ impl<'a> Agent<'a> {
         let interrupts = Arc::clone(&self.interrupts);
         let ui = &mut self.ui;
         let mut in_reasoning = false;
-        let outcome = stream(rx, bar_from, Some(&interrupts), |text| {
+        let outcome = stream(rx, bar_from, Some((&interrupts, self.baseline)), |text| {
             for piece in shaper.push(text) {
                 show(ui, piece, &mut in_reasoning)?;
             }
@@ -791,6 +804,7 @@ impl<'a> Agent<'a> {
         if self.history.is_empty() {
             bail!("nothing to compact");
         }
+        self.baseline = self.interrupts.load(Ordering::Acquire);
         self.save_index(None)?;
         let mut ask = self.history.clone();
         ask.push(Message::new(Role::User, COMPACT_REQUEST));
@@ -800,7 +814,7 @@ impl<'a> Agent<'a> {
         let bar_from = self.bar_from();
         let ui = &mut self.ui;
         let interrupts = Arc::clone(&self.interrupts);
-        let outcome = stream(rx, bar_from, Some(&interrupts), |t| {
+        let outcome = stream(rx, bar_from, Some((&interrupts, self.baseline)), |t| {
             summary.push_str(t);
             ui.write(Style::Dim, t)
         })?;
