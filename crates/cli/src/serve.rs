@@ -106,11 +106,13 @@ pub struct ServeArgs {
     #[arg(long)]
     pub tool_first: bool,
     /// Prompt tokens a prefilling slot runs per step while other slots
-    /// generate (a long cold prompt then delays their tokens by one such step
-    /// at most); with nothing generating it runs whole --prefill-chunk steps.
-    #[arg(long, default_value_t = 128, value_name = "TOKENS",
-          value_parser = clap::value_parser!(u32).range(1..))]
-    pub mixed_prefill_quantum: u32,
+    /// generate: `auto` (as many as keep such a step within 2.5 times a step
+    /// of the generating slots alone, as measured: their streams slow by that
+    /// much at most while a long cold prompt prefills) or a number (a long cold
+    /// prompt then delays their tokens by one such step). With nothing
+    /// generating it runs whole --prefill-chunk steps.
+    #[arg(long, default_value = "auto", value_name = "auto|TOKENS")]
+    pub mixed_prefill_quantum: ds4_runtime::PrefillQuantum,
 }
 
 pub fn run(a: &ServeArgs) -> Result<()> {
@@ -175,7 +177,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         pool,
         persist,
         RuntimeConfig {
-            prefill_quantum: a.mixed_prefill_quantum as usize,
+            prefill_quantum: a.mixed_prefill_quantum,
             queue_max: a.queue_max,
         },
         notices,

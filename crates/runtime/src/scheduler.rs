@@ -36,11 +36,50 @@ const REUSE_MIN_TOKENS: usize = 64;
 /// Affinity keys a slot remembers.
 const MAX_SLOT_KEYS: usize = 64;
 
+/// How many prompt tokens a prefilling slot feeds per step while another
+/// slot decodes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum PrefillQuantum {
+    /// This many.
+    Fixed(usize),
+    /// As many as keep a step within [`STALL_FACTOR`] times a step of the
+    /// decoding slots alone, as measured (at least one): the decoders'
+    /// streams slow by that factor at most, whatever the machine and model.
+    Auto,
+}
+
+impl std::str::FromStr for PrefillQuantum {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(PrefillQuantum::Auto),
+            n => match n.parse::<usize>() {
+                Ok(n) if n > 0 => Ok(PrefillQuantum::Fixed(n)),
+                _ => Err(format!("{n:?} is neither `auto` nor a positive number")),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for PrefillQuantum {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PrefillQuantum::Fixed(n) => write!(f, "{n}"),
+            PrefillQuantum::Auto => f.write_str("auto"),
+        }
+    }
+}
+
+/// What a step carrying prefill tokens may cost next to a step of the
+/// decoding slots alone, under [`PrefillQuantum::Auto`].
+pub const STALL_FACTOR: f64 = 2.5;
+
 /// How the runtime runs.
 #[derive(Clone, Debug)]
 pub struct RuntimeConfig {
     /// Tokens a prefilling slot feeds per step while another slot decodes.
-    pub prefill_quantum: usize,
+    pub prefill_quantum: PrefillQuantum,
     /// Jobs that may wait for a slot when every slot is busy; past it
     /// `submit` refuses ([`SubmitError::QueueFull`]).
     pub queue_max: usize,
@@ -49,7 +88,7 @@ pub struct RuntimeConfig {
 impl Default for RuntimeConfig {
     fn default() -> Self {
         RuntimeConfig {
-            prefill_quantum: 128,
+            prefill_quantum: PrefillQuantum::Auto,
             queue_max: 64,
         }
     }
@@ -228,7 +267,8 @@ impl Runtime {
                     waiting: VecDeque::new(),
                     shared,
                     notices,
-                    quantum: cfg.prefill_quantum.max(1),
+                    quantum: cfg.prefill_quantum,
+                    pace: Pace::default(),
                 };
                 engine.run(rx);
             })
@@ -319,7 +359,46 @@ struct Engine {
     waiting: VecDeque<(Job, Instant)>,
     shared: Arc<Shared>,
     notices: NoticeSink,
-    quantum: usize,
+    quantum: PrefillQuantum,
+    pace: Pace,
+}
+
+/// Measured step costs, for [`PrefillQuantum::Auto`]: a step of decoding
+/// slots alone, and what each prefill token adds to a step with decoders.
+#[derive(Default)]
+struct Pace {
+    decode_s: Option<f64>,
+    prefill_token_s: Option<f64>,
+}
+
+impl Pace {
+    /// Moves a measurement a fifth of the way (a noisy step does not decide).
+    fn fold(avg: &mut Option<f64>, x: f64) {
+        if x.is_finite() && x > 0.0 {
+            *avg = Some(avg.map_or(x, |a| a + (x - a) / 5.0));
+        }
+    }
+
+    /// A step took `secs` with `prefill` prompt tokens beside its decoders.
+    fn note(&mut self, secs: f64, decoding: bool, prefill: usize) {
+        match (decoding, prefill, self.decode_s) {
+            (true, 0, _) => Self::fold(&mut self.decode_s, secs),
+            (true, n, Some(d)) => Self::fold(
+                &mut self.prefill_token_s,
+                (secs - d).max(d * 0.05) / n as f64,
+            ),
+            _ => {}
+        }
+    }
+
+    /// Prompt tokens a step with decoders may carry: within [`STALL_FACTOR`]
+    /// times a decode step; 1 until both costs are measured.
+    fn quantum(&self, max: usize) -> usize {
+        match (self.decode_s, self.prefill_token_s) {
+            (Some(d), Some(t)) => (((STALL_FACTOR - 1.0) * d / t) as usize).clamp(1, max),
+            _ => 1,
+        }
+    }
 }
 
 /// The slot a job goes to, and the slot whose state it starts from when that
@@ -671,10 +750,10 @@ impl Engine {
             };
             let from = s.session.tokens().len();
             let to_cut = r.cuts.front().map_or(r.plan.ids.len(), |c| c.0);
-            let budget = if decoding {
-                self.quantum
-            } else {
-                s.session.max_step()
+            let budget = match (decoding, self.quantum) {
+                (false, _) => s.session.max_step(),
+                (true, PrefillQuantum::Fixed(n)) => n,
+                (true, PrefillQuantum::Auto) => self.pace.quantum(s.session.max_step()),
             };
             let n = (to_cut - from)
                 .min(budget)
@@ -714,6 +793,14 @@ impl Engine {
             self.batch.forward(&mut steps)
         };
         let elapsed = t.elapsed().as_secs_f64();
+        let prefilled: usize = feeds
+            .iter()
+            .map(|(_, f)| match f {
+                Feed::Prefill(a, b) => b - a,
+                Feed::Decode(_) => 0,
+            })
+            .sum();
+        self.pace.note(elapsed, decoding, prefilled);
         if let Err(e) = result {
             for (i, _) in &feeds {
                 self.finish(*i, FinishReason::Stop, Some(e.to_string()));
@@ -1003,4 +1090,34 @@ fn remember_keys(slot: &mut Slot, keys: Vec<String>) {
 
 fn engine(e: EngineError) -> JobError {
     JobError::Engine(e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The automatic quantum keeps a step with prefill tokens within
+    /// [`STALL_FACTOR`] times a decode step, from measured costs: one token
+    /// until both are measured, at most the step's size.
+    #[test]
+    fn the_automatic_quantum_follows_measured_costs() {
+        let mut p = Pace::default();
+        assert_eq!(p.quantum(256), 1);
+        p.note(0.004, true, 0);
+        assert_eq!(p.quantum(256), 1, "no prefill cost measured yet");
+        // A step with 4 prefill tokens took 12 ms: 2 ms per token.
+        p.note(0.012, true, 4);
+        assert_eq!(p.quantum(256), ((STALL_FACTOR - 1.0) * 2.0) as usize);
+        // Prefill-only steps say nothing about the mix.
+        p.note(1.0, false, 256);
+        assert_eq!(p.quantum(256), ((STALL_FACTOR - 1.0) * 2.0) as usize);
+        // Cheap prefill tokens: capped at the step's size.
+        let mut cheap = Pace::default();
+        cheap.note(0.004, true, 0);
+        cheap.note(0.0041, true, 100);
+        assert_eq!(cheap.quantum(64), 64);
+        assert!("auto".parse::<PrefillQuantum>() == Ok(PrefillQuantum::Auto));
+        assert!("32".parse::<PrefillQuantum>() == Ok(PrefillQuantum::Fixed(32)));
+        assert!("0".parse::<PrefillQuantum>().is_err() && "x".parse::<PrefillQuantum>().is_err());
+    }
 }

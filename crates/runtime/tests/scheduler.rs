@@ -283,7 +283,7 @@ fn a_long_prefill_yields_to_a_decoding_slot() {
         2,
         None,
         RuntimeConfig {
-            prefill_quantum: 32,
+            prefill_quantum: ds4_runtime::PrefillQuantum::Fixed(32),
             ..Default::default()
         },
     );

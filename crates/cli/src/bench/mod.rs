@@ -167,11 +167,16 @@ pub struct BenchArgs {
         requires = "sessions"
     )]
     pub stall_prefill: usize,
-    /// Tokens a prefilling slot feeds per step while another decodes (as
-    /// `ds4 serve --mixed-prefill-quantum`).
-    #[arg(long, default_value_t = 128, value_name = "N", help_heading = "Sessions",
-          value_parser = positive, requires = "sessions")]
-    pub mixed_prefill_quantum: usize,
+    /// Tokens a prefilling slot feeds per step while another decodes: `auto`
+    /// or a number (as `ds4 serve --mixed-prefill-quantum`).
+    #[arg(
+        long,
+        default_value = "auto",
+        value_name = "auto|N",
+        help_heading = "Sessions",
+        requires = "sessions"
+    )]
+    pub mixed_prefill_quantum: ds4_runtime::PrefillQuantum,
 }
 
 /// A token or repetition count of at least 1.
