@@ -502,14 +502,15 @@ impl<'a> Agent<'a> {
         };
         let parser =
             (!self.tools.is_empty()).then(|| self.template.tool_syntax().parser(&self.tools));
-        let mut n = 0;
+        // Ids unique in the session: its length so far and the call's number.
+        let (at, mut n) = (self.history.len(), 0);
         let mut shaper = Shaper::new(
             self.think,
             parser,
             calls.forced.as_deref(),
             Box::new(move || {
                 n += 1;
-                format!("call_{n}")
+                format!("call_{at}_{n}")
             }),
         );
         let rx = self.submit(
