@@ -4,13 +4,15 @@
 //! as its prefix), which is what lets a live session extend instead of re-prefill.
 //!
 //! Tool calling lives in [`tools`]: each family's call syntax renders calls and
-//! parses generated text back into calls, incrementally.
+//! parses generated text back into calls, incrementally; [`turn`] shapes a
+//! generated turn into reasoning, text and calls.
 
 mod chatml;
 mod deepseek;
 mod prompt;
 pub mod think;
 pub mod tools;
+pub mod turn;
 
 pub use chatml::ChatMl;
 pub use deepseek::DeepSeek;

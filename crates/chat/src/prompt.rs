@@ -50,6 +50,22 @@ impl Prompt {
         self.text.is_empty()
     }
 
+    /// The first `end` bytes (a character boundary), markup kept as markup.
+    ///
+    /// # Panics
+    /// When `end` is past the text or not on a character boundary.
+    pub fn prefix(&self, end: usize) -> Prompt {
+        Prompt {
+            text: self.text[..end].to_string(),
+            markup: self
+                .markup
+                .iter()
+                .filter(|r| r.start < end)
+                .map(|r| r.start..r.end.min(end))
+                .collect(),
+        }
+    }
+
     /// The parts in order: each with whether it is markup.
     pub fn parts(&self) -> impl Iterator<Item = (&str, bool)> + '_ {
         let mut at = 0;
@@ -98,5 +114,18 @@ mod tests {
             ]
         );
         assert_eq!(Prompt::new().parts().count(), 0);
+        let short = p.prefix(20);
+        let cut: Vec<_> = short.parts().collect();
+        assert_eq!(cut, [("<|im_start|>user\n", true), ("hi ", false)]);
+        let long = p.prefix(36);
+        let cut: Vec<_> = long.parts().collect();
+        assert_eq!(
+            cut,
+            [
+                ("<|im_start|>user\n", true),
+                ("hi <|im_end|>", false),
+                ("<|im_e", true)
+            ]
+        );
     }
 }

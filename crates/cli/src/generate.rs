@@ -17,10 +17,9 @@ use ds4_engine::{
 use serde::Serialize;
 
 use crate::kvargs::KvArgs;
+use crate::turns::Outcome;
 use crate::{models, ModelArgs};
-use ds4_runtime::{
-    CacheSource, Event, Job, Notice, NoticeSink, Persist, Runtime, RuntimeConfig, TokenLimit,
-};
+use ds4_runtime::{Job, Notice, NoticeSink, Persist, Runtime, RuntimeConfig, TokenLimit};
 use ds4_server::prepare::encode_prompt;
 
 #[derive(Args, Clone, Debug)]
@@ -47,7 +46,7 @@ pub struct SamplingArgs {
 }
 
 impl SamplingArgs {
-    fn config(&self) -> SamplerConfig {
+    pub fn config(&self) -> SamplerConfig {
         let seed = self.seed.unwrap_or_else(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -246,21 +245,11 @@ pub fn precision_name(p: Precision) -> &'static str {
 }
 
 /// Prefills, drawing a progress bar on a terminal for prompts long enough to wait on.
-/// A progress bar for a prefill of `total` tokens.
-fn prefill_bar(total: usize) -> indicatif::ProgressBar {
-    indicatif::ProgressBar::new(total as u64).with_style(
-        indicatif::ProgressStyle::with_template(
-            "prefill {bar:40} {pos}/{len} tokens, {per_sec}, eta {eta}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    )
-}
-
 fn prefill_with_bar(session: &mut Session, ids: &[u32]) -> Result<(), ds4_engine::EngineError> {
     if ids.len() < 1024 {
         return session.prefill(ids);
     }
-    let bar = prefill_bar(ids.len());
+    let bar = crate::turns::prefill_bar(ids.len());
     let r = session.prefill_with_progress(ids, |done, _| bar.set_position(done as u64));
     bar.finish_and_clear();
     r
@@ -480,7 +469,7 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
                 ..Default::default()
             },
         );
-        let (tx, mut rx) = tokio::sync::mpsc::channel(256);
+        let (tx, rx) = tokio::sync::mpsc::channel(256);
         let job = Job {
             id: format!("chat-{}", history.len()),
             route: "chat".into(),
@@ -502,68 +491,37 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
             .handle
             .submit(job)
             .map_err(|e| anyhow::anyhow!("the runtime refused the turn: {e:?}"))?;
-        let t = Instant::now();
         let mut reply = String::new();
-        let mut bar: Option<indicatif::ProgressBar> = None;
-        let mut first_token = None;
-        let mut outcome = None;
-        while let Some(e) = rx.blocking_recv() {
-            match e {
-                Event::Started(_) => {}
-                Event::Progress { prefilled, total } if total >= 1024 => {
-                    bar.get_or_insert_with(|| prefill_bar(total))
-                        .set_position(prefilled as u64);
-                }
-                Event::Progress { .. } => {}
-                Event::Text(piece) => {
-                    if let Some(b) = bar.take() {
-                        b.finish_and_clear();
-                    }
-                    first_token.get_or_insert_with(|| t.elapsed().as_secs_f64());
-                    write!(out, "{piece}")?;
-                    out.flush()?;
-                    reply.push_str(&piece);
-                }
-                Event::Done { usage, .. } => outcome = Some(Ok(usage)),
-                Event::Failed(e) => outcome = Some(Err(e)),
-            }
-        }
-        if let Some(b) = bar {
-            b.finish_and_clear();
-        }
+        let outcome = crate::turns::stream(rx, Some(1024), None, |piece| {
+            write!(out, "{piece}")?;
+            out.flush()?;
+            reply.push_str(piece);
+            Ok(())
+        })?;
         writeln!(out)?;
         match outcome {
-            Some(Ok(usage)) => {
+            Outcome::Done {
+                usage,
+                prefill_s,
+                total_s,
+                ..
+            } => {
                 history.push(Message::new(Role::Assistant, reply));
-                let source = match usage.cache_source {
-                    CacheSource::MemoryToken | CacheSource::MemoryText => {
-                        "live session".to_string()
-                    }
-                    CacheSource::DiskText => {
-                        format!("restored {} tokens from disk", usage.cached_tokens)
-                    }
-                    CacheSource::DiskTextPartial => format!(
-                        "restored {} tokens from disk (a checkpoint cut back by {})",
-                        usage.cached_tokens, usage.cut_tokens
-                    ),
-                    CacheSource::None => "nothing reused".to_string(),
-                };
-                let total_s = t.elapsed().as_secs_f64();
-                let prefill_s = first_token.unwrap_or(total_s);
                 let decode_s = (total_s - prefill_s).max(1e-9);
                 eprintln!(
-                    "[{source}; prefilled {} tokens in {prefill_s:.2} s; {} generated at {:.1} t/s; {} in context]",
+                    "[{}; prefilled {} tokens in {prefill_s:.2} s; {} generated at {:.1} t/s; {} in context]",
+                    crate::turns::source_words(&usage),
                     usage.prompt_tokens - usage.cached_tokens,
                     usage.completion_tokens,
                     usage.completion_tokens.saturating_sub(1) as f64 / decode_s,
                     usage.prompt_tokens + usage.completion_tokens,
                 );
             }
-            Some(Err(e)) => {
+            Outcome::Failed(e) => {
                 history.pop();
                 eprintln!("error: {e}");
             }
-            None => bail!("the runtime stopped"),
+            Outcome::Interrupted => bail!("the runtime stopped"),
         }
     }
     runtime.join();

@@ -1,6 +1,7 @@
 //! `ds4`: the command-line front end. Parses flags and wires the library crates
 //! together; the logic lives in the libraries.
 
+mod agent;
 mod bench;
 mod generate;
 mod kv;
@@ -8,6 +9,7 @@ mod kvargs;
 mod models;
 mod perplexity;
 mod serve;
+mod turns;
 
 use std::path::PathBuf;
 
@@ -36,6 +38,9 @@ enum Command {
     Run(generate::RunArgs),
     /// Chat interactively with the model's chat template (/exit, /reset).
     Chat(generate::ChatArgs),
+    /// A coding agent in the terminal: tools confined to --cwd, sessions kept
+    /// as checkpoints (/help inside for its commands).
+    Agent(agent::AgentArgs),
     /// Fetch and list models.
     #[command(subcommand)]
     Model(ModelCommand),
@@ -118,6 +123,7 @@ fn main() -> Result<()> {
         Command::Serve(a) => serve::run(&a),
         Command::Run(a) => generate::run(&a),
         Command::Chat(a) => generate::chat(&a),
+        Command::Agent(a) => agent::run(&a),
         Command::Model(ModelCommand::Pull { name }) => {
             let m = models::known(&name).ok_or_else(|| {
                 let names: Vec<&str> = models::KNOWN_MODELS.iter().map(|m| m.name).collect();

@@ -11,6 +11,7 @@
 //! [`Event`]s (per job) and [`Notice`]s (for logs, traces and metrics); it
 //! prints nothing.
 
+mod constrain;
 mod conversations;
 mod generation;
 mod job;
@@ -22,6 +23,7 @@ mod scheduler;
 mod template;
 mod tool_memory;
 
+pub use constrain::{compile, vocab_for, CallPlan, GateError, GrammarPlan};
 pub use conversations::{
     ConversationError, Conversations, MAX_CONVERSATIONS, MAX_CONVERSATION_BYTES,
 };

@@ -275,6 +275,22 @@ impl Persist {
         }
     }
 
+    /// Whether the longest checkpoint whose text is a prefix of `prompt` holds
+    /// more than the `held` tokens a live state offers, and loading it takes
+    /// less time than prefilling the difference (a conversation switched back
+    /// to, in a slot that holds only its start or another conversation
+    /// sharing it).
+    pub(crate) fn offers_more_than(&self, prompt: &[u8], n_ctx: usize, held: usize) -> bool {
+        match self.w.store.lookup(prompt, &self.w.model, n_ctx as u32) {
+            Ok(Some(c)) => {
+                let tokens = c.header.tokens as usize;
+                let bytes = c.header.file_bytes().unwrap_or(u64::MAX);
+                tokens > held && self.rates.load_s(bytes) < self.rates.prefill_s(tokens - held)
+            }
+            _ => false,
+        }
+    }
+
     /// The longest checkpoint whose text is a prefix of `prompt`, of at least
     /// the store's minimum; a miss is explained, a failing store reported.
     fn whole_offer(&self, prompt: &[u8], n_ctx: usize) -> Option<Candidate> {

@@ -196,8 +196,10 @@ impl Weighed {
 
 /// Positions slot `slot`'s session at the longest reusable prefix of `prompt`
 /// (whose own tokens are `ids`). When memory offers less than the store's
-/// minimum, the live state is saved first (reason `evict`) if the request
-/// does not extend it, then the store is searched.
+/// minimum, or less than a checkpoint whose text is a prefix of the prompt
+/// (and loading it beats prefilling the difference), the live state is saved first
+/// (reason `evict`) if the request does not extend it, then the store is
+/// searched.
 pub(crate) fn plan(
     slot: usize,
     session: &mut Session,
@@ -216,7 +218,13 @@ pub(crate) fn plan(
         Plan::new(full, live.len(), CacheSource::MemoryText)
     } else {
         match persist.as_deref_mut() {
-            Some(p) if by_token < p.min_tokens() => {
+            // Memory offers too little to keep, or less than a checkpoint of
+            // the prompt holds.
+            Some(p)
+                if by_token < p.min_tokens()
+                    || (by_token < ids.len()
+                        && p.offers_more_than(prompt.as_bytes(), session.n_ctx(), by_token)) =>
+            {
                 let mut checkpoint = None;
                 if live.len() > by_token {
                     checkpoint = p.save(slot, session, SaveReason::Evict);

@@ -123,6 +123,11 @@ fn save(writer: &Writer, l: &Lend) -> Option<TurnFile> {
         // still serves what it did.
         return l.previous.clone();
     };
+    // An anchor (the agent's system prompt, `agent-system`) is no turn end of
+    // a conversation: the next turn end that extends it does not replace it.
+    if !l.reason.is_waypoint() {
+        return None;
+    }
     let tokens = l.session.tokens().len();
     if let Some(prev) = &l.previous {
         let prefix = prev.text_bytes < l.text.len()

@@ -343,6 +343,56 @@ fn a_shared_prefix_is_forked_into_another_slot() {
     assert!(u3.cached_tokens >= u1.prompt_tokens, "{:?}", u3);
 }
 
+/// A conversation saved at its turn end (`Job::turn_save`) comes back from
+/// disk in a slot that holds only its start (the agent's system prompt): the
+/// longer checkpoint beats the live prefix; a job of limit 0 only positions
+/// the slot.
+#[test]
+fn a_turn_end_checkpoint_beats_a_live_prefix_of_it() {
+    let dir = std::env::temp_dir().join(format!("ds4-rt-turn-save-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let rt = Rt::start(1, Some(&dir), RuntimeConfig::default());
+    let system = format!(
+        "<|im_start|>system\n{}<|im_end|>\n",
+        "You are a careful assistant for a lighthouse keeper. ".repeat(8)
+    );
+    let submit = |prompt: &str, max_tokens, save| {
+        collect(rt.submit_job(prompt, max_tokens, &[], save).unwrap())
+    };
+    let first =
+        format!("{system}<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n");
+    let (a, finish, _) = submit(&first, 8, Some(SaveReason::AgentSession));
+    rt.wait_for_saves(SaveReason::AgentSession, 1);
+    // The slot goes back to the system prompt alone: nothing generated.
+    let (text, _, u) = submit(&system, 0, Some(SaveReason::AgentSystem));
+    assert_eq!((text.as_str(), u.completion_tokens), ("", 0));
+    rt.wait_for_saves(SaveReason::AgentSystem, 1);
+    let end = if finish == FinishReason::Stop {
+        "<|im_end|>"
+    } else {
+        ""
+    };
+    let next = format!(
+        "{first}{a}{end}\n<|im_start|>user\nAnother one.<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let (_, _, u) = submit(&next, 4, Some(SaveReason::AgentSession));
+    assert_eq!(u.cache_source, CacheSource::DiskText, "{u:?}");
+    assert!(u.cached_tokens > u.prompt_tokens - 16, "{u:?}");
+    // The conversation's next turn end, written after the system prompt's
+    // save on this slot, supersedes no anchor: the agent-system file stays.
+    rt.wait_for_saves(SaveReason::AgentSession, 2);
+    let store = Store::open(&dir, StoreConfig::default()).unwrap();
+    let reasons: Vec<SaveReason> = store
+        .entries()
+        .unwrap()
+        .into_iter()
+        .map(|e| e.header.reason)
+        .collect();
+    assert!(reasons.contains(&SaveReason::AgentSystem), "{reasons:?}");
+    drop(rt);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Each turn end is saved in the background: a second runtime on the same
 /// store (what a restart after `kill -9` finds) continues the conversation
 /// from the whole of it, prompt and answer; the next turn's save supersedes

@@ -38,7 +38,7 @@ use crate::dialect::{
 };
 use crate::http::{self, AppState};
 use crate::prepare::{self, Refusal};
-use crate::turn::{CallOut, Piece, Turn};
+use ds4_chat::turn::{CallOut, Piece, Turn};
 use ds4_runtime::{FinishReason, Overflow, Usage};
 
 #[derive(Deserialize)]

@@ -10,7 +10,7 @@ use ds4_chat::{Message, ThinkMode, ToolChoice, ToolSpec};
 use ds4_engine::SamplerConfig;
 use serde_json::Value;
 
-use crate::turn::{Piece, Turn};
+use ds4_chat::turn::{Piece, Turn};
 use ds4_runtime::{FinishReason, Overflow, Usage};
 
 /// A request in the engine's terms.

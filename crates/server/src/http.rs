@@ -27,7 +27,7 @@ use crate::normalize::Normalizer;
 use crate::openai::{self, Kind, OpenAi};
 use crate::prepare::{prepare, Refusal};
 use crate::trace::Trace;
-use crate::turn::{Shaper, Turn};
+use ds4_chat::turn::{Shaper, Turn};
 use ds4_runtime::ToolMemory;
 use ds4_runtime::{
     Event, FinishReason, Job, JobError, RuntimeHandle, SubmitError, TokenLimit, Usage,
@@ -125,16 +125,7 @@ pub fn router(
         .max_body_bytes
         .unwrap_or_else(|| default_body_limit(&model.tokenizer, cfg.n_ctx));
     let template = ds4_runtime::template_for(&model);
-    // A finished grammar must end the turn: the template's end-of-turn token,
-    // or the vocabulary's end of text for raw completions.
-    let end_of_turn = template
-        .as_ref()
-        .and_then(|t| model.tokenizer.token_id(t.end_of_turn()))
-        .or(model.tokenizer.eos());
-    let grammar = match end_of_turn {
-        Some(id) => ds4_grammar::Vocab::new(Arc::clone(&model), id).map_err(|e| e.to_string()),
-        None => Err("the model has no end-of-turn token".to_string()),
-    };
+    let grammar = ds4_runtime::vocab_for(&model, template.as_deref());
     let normalizer = match &cfg.normalize {
         Some(extra) => Normalizer::new(extra)?,
         None => Normalizer::off(),
@@ -367,7 +358,15 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, d: Arc<dyn Dialect>) -> R
             seed: sampling.seed,
         };
     }
-    let shaper = Shaper::new(r.think, r.parser, r.forced.as_deref(), d.call_id_prefix());
+    let shaper = {
+        let prefix = d.call_id_prefix();
+        Shaper::new(
+            r.think,
+            r.parser,
+            r.forced.as_deref(),
+            Box::new(move || crate::tooling::random_id(prefix)),
+        )
+    };
     let (tx, mut rx) = mpsc::channel(256);
     let job = Job {
         id: id.clone(),

@@ -15,7 +15,6 @@ pub mod prepare;
 pub mod responses;
 pub mod tooling;
 pub mod trace;
-pub mod turn;
 
 pub use conn::{serve, ConnEvent, Limits};
 pub use http::{default_body_limit, router, ServerConfig};

@@ -16,7 +16,7 @@ use crate::dialect::{
     data, think_control, think_mode, AgentOptions, BadRequest, Dialect, ErrorKind, Gen, Input,
     Request, SamplingFields,
 };
-use crate::turn::{CallOut, Piece, Turn};
+use ds4_chat::turn::{CallOut, Piece, Turn};
 use ds4_runtime::{FinishReason, Usage};
 
 #[derive(Deserialize)]

@@ -14,7 +14,7 @@ use serde_json::json;
 use crate::dialect::{Input, Request};
 use crate::http::AppState;
 use ds4_runtime::ReplayStats;
-use ds4_runtime::{Gate, Overflow, TokenLimit};
+use ds4_runtime::{CallPlan, Gate, GateError, GrammarPlan, Overflow, TokenLimit};
 
 /// A request ready for the engine.
 pub(crate) struct Prepared {
@@ -110,21 +110,6 @@ pub(crate) struct Rendered {
     pub grammar: Option<GrammarPlan>,
 }
 
-/// What the output of a request is held to.
-pub(crate) enum GrammarPlan {
-    /// A forced tool call (the prompt ends with the call's opening): the
-    /// family's call grammar from the first token.
-    ForcedCall(String),
-    /// Tools offered, the model free to call one: the call grammar once it
-    /// writes the opening (`trigger`) itself.
-    Call {
-        trigger: &'static str,
-        grammar: String,
-    },
-    /// Structured output: JSON valid against the request's schema.
-    Json(String),
-}
-
 /// Renders a request: a raw prompt as is, messages (normalised, with remembered
 /// tool-call text attached) with the model's chat template.
 fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'static str> {
@@ -169,18 +154,14 @@ fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'static str> {
         },
     );
     let syntax = t.tool_syntax();
-    // A forced call in thinking mode comes after an empty reasoning block: a
-    // call inside the reasoning would never be read.
-    let forced = if tools.is_empty() {
-        None
-    } else {
-        syntax
-            .forced_prefix(&p.agent.tool_choice)
-            .map(|f| match think.is_thinking() {
-                true => format!("{}{f}", ds4_chat::think::THINK_CLOSE),
-                false => f,
-            })
-    };
+    let calls = CallPlan::new(
+        syntax,
+        tools,
+        &p.agent.tool_choice,
+        think,
+        !p.agent.single_call,
+    );
+    let forced = calls.forced;
     // A breakpoint is the end of its message: where rendering the conversation up
     // to it ends, when that is a prefix of the prompt (append-only templates).
     let breakpoints = p
@@ -207,12 +188,9 @@ fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'static str> {
         prompt.markup(f);
     }
     // A forced call first, then structured output, then a call the model may open.
-    let call_grammar = syntax.call_grammar(tools, &p.agent.tool_choice, !p.agent.single_call);
-    let grammar = match (forced.is_some(), call_grammar, syntax.call_trigger()) {
-        (true, Some(g), _) => Some(GrammarPlan::ForcedCall(g)),
-        (false, Some(grammar), Some(trigger)) if p.agent.json_schema.is_none() => {
-            Some(GrammarPlan::Call { trigger, grammar })
-        }
+    let grammar = match calls.grammar {
+        Some(g @ GrammarPlan::ForcedCall(_)) => Some(g),
+        Some(g @ GrammarPlan::Call { .. }) if p.agent.json_schema.is_none() => Some(g),
         _ => json_plan(&p.agent),
     };
     Ok(Rendered {
@@ -240,27 +218,15 @@ fn json_plan(agent: &crate::dialect::AgentOptions) -> Option<GrammarPlan> {
 /// before, with a trace note; a structured-output schema that does not compile
 /// is the client's to fix (400).
 fn compile(st: &AppState, id: &str, plan: GrammarPlan) -> Result<Option<Gate>, String> {
-    let vocab = match &st.grammar {
-        Ok(v) => v,
-        Err(why) => {
-            return match plan {
-                GrammarPlan::Json(_) => Err(format!(
-                    "structured output is not available for this model: {why}"
-                )),
-                _ => Ok(None),
+    match ds4_runtime::compile(st.grammar.as_ref().map_err(String::as_str), &plan) {
+        Ok(gate) => Ok(Some(gate)),
+        Err(e) if matches!(plan, GrammarPlan::Json(_)) => Err(match e {
+            GateError::NoVocab(why) => {
+                format!("structured output is not available for this model: {why}")
             }
-        }
-    };
-    let (text, trigger) = match &plan {
-        GrammarPlan::ForcedCall(g) | GrammarPlan::Json(g) => (g, None),
-        GrammarPlan::Call { trigger, grammar } => (grammar, Some(*trigger)),
-    };
-    match vocab.constraint(text) {
-        Ok(constraint) => Ok(Some(Gate {
-            constraint,
-            trigger,
-        })),
-        Err(e) if matches!(plan, GrammarPlan::Json(_)) => Err(e.to_string()),
+            GateError::Grammar(e) => e.to_string(),
+        }),
+        Err(GateError::NoVocab(_)) => Ok(None),
         Err(e) => {
             if let Some(t) = &st.trace {
                 t.write(json!({ "event": "grammar_unusable", "id": id, "error": e.to_string() }));

@@ -34,7 +34,7 @@ use crate::dialect::{
 };
 use crate::http::{run, AppState};
 use crate::openai::{bad_request_response, error_response, tool_choice};
-use crate::turn::{CallOut, Piece, Turn};
+use ds4_chat::turn::{CallOut, Piece, Turn};
 use ds4_chat::ToolCall;
 use ds4_runtime::{Conversations, FinishReason, Usage};
 

@@ -1,13 +1,16 @@
-//! Shapes the generated text of one assistant turn into what the dialects send:
-//! visible text, reasoning, and tool calls with fresh ids. Tool calls are parsed
-//! incrementally by the family's syntax; the final parse is authoritative and
-//! agrees with what was streamed (calls are streamed whole, never taken back).
+//! Shapes the generated text of one assistant turn into what a caller shows
+//! or sends (the server's dialects, the agent): visible text, reasoning, and
+//! tool calls with fresh ids. Tool calls are parsed incrementally by the
+//! family's syntax; the final parse is authoritative and agrees with what was
+//! streamed (calls are streamed whole, never taken back).
 
-use ds4_chat::think::{ThinkEvent, ThinkSplitter};
-use ds4_chat::tools::{ParsedTurn, ToolEvent, ToolParser};
-use ds4_chat::ThinkMode;
+use crate::think::{ThinkEvent, ThinkSplitter};
+use crate::tools::{ParsedTurn, ToolEvent, ToolParser};
+use crate::ThinkMode;
 
-use crate::tooling::random_id;
+/// Where a shaper's call ids come from (the server's are unguessable, the
+/// agent's count up).
+pub type NewId = Box<dyn FnMut() -> String + Send>;
 
 /// A tool call as the client sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -53,7 +56,7 @@ impl Turn {
 pub struct Shaper {
     think: Option<ThinkSplitter>,
     tools: Option<Box<dyn ToolParser>>,
-    id_prefix: &'static str,
+    new_id: NewId,
     calls: Vec<CallOut>,
     /// Visible text when no tool parser keeps it.
     text: String,
@@ -63,17 +66,18 @@ pub struct Shaper {
 impl Shaper {
     /// A shaper for a turn rendered in `think` mode, parsing tool calls with
     /// `tools` when tools are active. `forced` is text the prompt already ends
-    /// with (a forced call's opening), parsed before the output.
+    /// with (a forced call's opening), parsed before the output. Each call
+    /// gets its id from `new_id`.
     pub fn new(
         think: ThinkMode,
         tools: Option<Box<dyn ToolParser>>,
         forced: Option<&str>,
-        id_prefix: &'static str,
+        new_id: NewId,
     ) -> Self {
         let mut shaper = Shaper {
             think: think.is_thinking().then(|| ThinkSplitter::new(think)),
             tools,
-            id_prefix,
+            new_id,
             calls: vec![],
             text: String::new(),
             malformed: None,
@@ -88,7 +92,7 @@ impl Shaper {
 
     /// A shaper that passes text through (raw completions).
     pub fn plain() -> Self {
-        Shaper::new(ThinkMode::None, None, None, "")
+        Shaper::new(ThinkMode::None, None, None, Box::new(String::new))
     }
 
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
@@ -129,7 +133,7 @@ impl Shaper {
                 ToolEvent::Text(_) => {}
                 ToolEvent::Call(c) => {
                     let call = CallOut {
-                        id: random_id(self.id_prefix),
+                        id: (self.new_id)(),
                         name: c.name,
                         arguments: c.arguments,
                     };
@@ -172,16 +176,16 @@ impl Shaper {
 
     /// The final parse is authoritative; ids come from the streamed calls,
     /// which the parser contract makes the same calls in the same order.
-    fn turn_from(&self, parsed: ParsedTurn) -> Turn {
+    fn turn_from(&mut self, parsed: ParsedTurn) -> Turn {
         let calls = parsed
             .calls
             .into_iter()
             .enumerate()
             .map(|(i, c)| CallOut {
-                id: self
-                    .calls
-                    .get(i)
-                    .map_or_else(|| random_id(self.id_prefix), |s| s.id.clone()),
+                id: match self.calls.get(i) {
+                    Some(s) => s.id.clone(),
+                    None => (self.new_id)(),
+                },
                 name: c.name,
                 arguments: c.arguments,
             })
@@ -199,8 +203,16 @@ impl Shaper {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ds4_chat::tools::{Dsml, ToolSyntax};
-    use ds4_chat::{ToolCall, ToolChoice, ToolSpec};
+    use crate::tools::{Dsml, ToolSyntax};
+    use crate::{ToolCall, ToolChoice, ToolSpec};
+
+    fn ids(prefix: &'static str) -> NewId {
+        let mut n = 0;
+        Box::new(move || {
+            n += 1;
+            format!("{prefix}{n}")
+        })
+    }
 
     fn tools() -> Vec<ToolSpec> {
         vec![ToolSpec {
@@ -237,7 +249,12 @@ mod tests {
         }]);
         let text = format!("<think>look first</think>Listing.{calls}");
         for n in [1, 3, 7, 1000] {
-            let shaper = Shaper::new(ThinkMode::High, Some(Dsml.parser(&tools())), None, "call_");
+            let shaper = Shaper::new(
+                ThinkMode::High,
+                Some(Dsml.parser(&tools())),
+                None,
+                ids("call_"),
+            );
             let (pieces, turn) = shape(shaper, &text, n);
             let reasoning: String = pieces
                 .iter()
@@ -281,7 +298,12 @@ mod tests {
     #[test]
     fn an_unclosed_think_block_is_all_answer_and_calls_in_it_do_not_run() {
         let text = "<think>maybe <｜DSML｜tool_calls></｜DSML｜tool_calls>";
-        let shaper = Shaper::new(ThinkMode::High, Some(Dsml.parser(&tools())), None, "call_");
+        let shaper = Shaper::new(
+            ThinkMode::High,
+            Some(Dsml.parser(&tools())),
+            None,
+            ids("call_"),
+        );
         let (_, turn) = shape(shaper, text, 4);
         assert!(turn.calls.is_empty());
         assert_eq!(turn.reasoning, "");
@@ -296,7 +318,7 @@ mod tests {
             ThinkMode::None,
             Some(Dsml.parser(&tools())),
             Some(&forced),
-            "toolu_",
+            ids("toolu_"),
         );
         let (pieces, turn) = shape(shaper, rest, 5);
         assert!(pieces.iter().all(|p| matches!(p, Piece::Call(..))));
