@@ -268,3 +268,60 @@ fn a_task_runs_in_the_family(f: &Family) {
 }
 
 for_each_family!(a_task_runs_in_the_family);
+
+/// Thinking, in the family that thinks (the DeepSeek V4 layout): streamed
+/// dimmed by default, collapsed to one line with `--collapse-thinking`; the
+/// same reasoning either way (temperature 0), and `/think` brings it back in
+/// full after a collapsed turn.
+#[test]
+fn thinking_streams_or_collapses_to_one_line() {
+    let model = ds4_testdata::tiny_ds4::tiny_ds4_path();
+    let (cwd, home) = (scratch("think-cwd"), scratch("think-home"));
+    let run = |extra: &[&str]| {
+        let out = agent(
+            &model,
+            &cwd,
+            &home,
+            &[&["--plain", "-n", "24", "-p", "hello"][..], extra].concat(),
+        )
+        .output()
+        .unwrap();
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let streamed = run(&[]);
+    let collapsed = run(&["--collapse-thinking"]);
+    assert!(!streamed.contains("▸ thought"), "{streamed}");
+    let line = collapsed
+        .lines()
+        .find(|l| l.starts_with("▸ thought "))
+        .unwrap_or_else(|| panic!("no collapsed line: {collapsed}"));
+    let words: usize = line["▸ thought ".len()..]
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(words > 0, "{line}");
+
+    // Interactive: collapsed, then /think shows what was collapsed (the
+    // help after it marks where it ends: noise can spell a prompt).
+    let mut p = spawn(agent(
+        &model,
+        &cwd,
+        &home,
+        &["--plain", "-n", "24", "--collapse-thinking"],
+    ));
+    p.expect("> ").unwrap();
+    p.send_line("hello").unwrap();
+    p.expect(Regex(r"\[tiny_ds4[^\]]*\]")).unwrap();
+    p.send_line("/think").unwrap();
+    p.send_line("/help").unwrap();
+    let shown = p.expect("/new               start").unwrap();
+    let shown = String::from_utf8_lossy(shown.before()).into_owned();
+    assert!(
+        shown.split_whitespace().count() >= words,
+        "/think showed {shown:?} for {words} words"
+    );
+    exit(p);
+}

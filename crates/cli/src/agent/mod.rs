@@ -69,6 +69,10 @@ pub struct AgentArgs {
     /// Answer without thinking, in families that think.
     #[arg(long)]
     pub no_think: bool,
+    /// Collapse the model's thinking to one line per turn (`/think` shows the
+    /// last one in full, `/thinking` toggles); by default it streams dimmed.
+    #[arg(long)]
+    pub collapse_thinking: bool,
     /// Where sessions live: checkpoints in DIR/kv, the index in DIR/sessions
     /// (default: $DS4_HOME/agent).
     #[arg(long, value_name = "DIR")]
@@ -95,6 +99,8 @@ const HELP: &str = "/new               start a new session
 /del ID            delete a session and its checkpoints
 /strip ID          drop a session's checkpoints, keep its text: a switch prefills again
 /history           the current session's messages
+/think             the last turn's thinking in full
+/thinking          collapse thinking to one line per turn, or stream it again
 /compact           summarise this session with the model into a new one
 /help              this list
 /exit              save and quit (Ctrl-D too; Ctrl-C stops a generation, twice quits)";
@@ -150,6 +156,8 @@ struct Agent<'a> {
     baseline: usize,
     jobs: usize,
     think: ThinkMode,
+    /// How thinking is shown, and the last turn's.
+    thinking: Thinking,
 }
 
 impl<'a> Agent<'a> {
@@ -250,6 +258,10 @@ impl<'a> Agent<'a> {
             baseline: 0,
             jobs: 0,
             think,
+            thinking: Thinking {
+                collapsed: a.collapse_thinking,
+                ..Thinking::default()
+            },
         };
         agent.restore_system()?;
         Ok(agent)
@@ -522,10 +534,11 @@ impl<'a> Agent<'a> {
         let bar_from = self.bar_from();
         let interrupts = Arc::clone(&self.interrupts);
         let ui = &mut self.ui;
-        let mut in_reasoning = false;
+        let thinking = &mut self.thinking;
+        thinking.start_turn();
         let outcome = stream(rx, bar_from, Some((&interrupts, self.baseline)), |text| {
             for piece in shaper.push(text) {
-                show(ui, piece, &mut in_reasoning)?;
+                show(ui, piece, thinking)?;
             }
             Ok(())
         })?;
@@ -543,8 +556,9 @@ impl<'a> Agent<'a> {
         };
         let (tail, turn) = shaper.finish();
         for piece in tail {
-            show(&mut self.ui, piece, &mut in_reasoning)?;
+            show(&mut self.ui, piece, &mut self.thinking)?;
         }
+        self.thinking.end(&mut self.ui)?;
         self.ui.line(Style::Plain, "")?;
         stats.prefilled += usage.prompt_tokens - usage.cached_tokens;
         stats.generated += usage.completion_tokens;
@@ -725,6 +739,18 @@ impl<'a> Agent<'a> {
                 self.ui.line(Style::Plain, &lines.join("\n"))?;
             }
             "/compact" => self.compact()?,
+            "/think" => match self.thinking.last.as_str() {
+                "" => self.ui.line(Style::Dim, "(the last turn did not think)")?,
+                r => self.ui.line(Style::Dim, r)?,
+            },
+            "/thinking" => {
+                self.thinking.collapsed = !self.thinking.collapsed;
+                let now = match self.thinking.collapsed {
+                    true => "thinking collapsed to one line per turn (/think shows it)",
+                    false => "thinking streamed dimmed",
+                };
+                self.ui.line(Style::Dim, now)?;
+            }
             _ => bail!("unknown command {cmd} (/help lists them)"),
         }
         Ok(true)
@@ -888,22 +914,63 @@ struct TurnStats {
     last: Option<Usage>,
 }
 
-/// Shows a piece of a turn: reasoning dimmed, text as is, a call on a line.
-fn show(ui: &mut Ui, piece: Piece, in_reasoning: &mut bool) -> Result<()> {
+/// How a turn's thinking is shown: streamed dimmed, or collapsed to one
+/// line once it ends (kept whole for `/think`).
+#[derive(Default)]
+struct Thinking {
+    collapsed: bool,
+    /// This turn's reasoning so far (the last turn's once it ended).
+    last: String,
+    /// Reasoning is being shown or counted and has not ended yet.
+    open: bool,
+}
+
+impl Thinking {
+    fn start_turn(&mut self) {
+        self.last.clear();
+        self.open = false;
+    }
+
+    /// The reasoning ended (an answer, a call or the turn's end follows):
+    /// a newline after streamed thinking, the one-line summary of collapsed.
+    fn end(&mut self, ui: &mut Ui) -> Result<()> {
+        if !std::mem::take(&mut self.open) {
+            return Ok(());
+        }
+        if self.collapsed {
+            let words = self.last.split_whitespace().count();
+            ui.line(
+                Style::Dim,
+                &format!("▸ thought {words} words (/think shows them)"),
+            )
+        } else {
+            ui.write(Style::Plain, "\n")
+        }
+    }
+}
+
+/// Shows a piece of a turn: reasoning dimmed (or collapsed), text as is, a
+/// call on a line.
+fn show(ui: &mut Ui, piece: Piece, thinking: &mut Thinking) -> Result<()> {
     match piece {
         Piece::Reasoning(r) => {
-            *in_reasoning = true;
-            ui.write(Style::Dim, &r)
+            thinking.open = true;
+            thinking.last.push_str(&r);
+            match thinking.collapsed {
+                true => Ok(()),
+                false => ui.write(Style::Dim, &r),
+            }
         }
         Piece::Text(t) => {
-            if std::mem::take(in_reasoning) {
-                ui.write(Style::Plain, "\n")?;
-            }
+            thinking.end(ui)?;
             ui.write(Style::Plain, &t)
         }
         Piece::Call(_, c) => {
-            *in_reasoning = false;
-            ui.line(Style::Plain, "")?;
+            let streamed = thinking.open && !thinking.collapsed;
+            thinking.end(ui)?;
+            if !streamed {
+                ui.line(Style::Plain, "")?;
+            }
             ui.write(Style::Tool, &format!("→ {} {}", c.name, c.arguments))
         }
     }
