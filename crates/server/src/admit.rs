@@ -27,8 +27,9 @@ use axum::response::{IntoResponse, Response};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Body as _;
 
-use crate::dialect::ErrorKind;
-use crate::http::{dialect_for_path, session_keys, AppState, ServerConfig, ROUTE, SESSION_KEYS};
+use crate::dialect::{Dialect, ErrorKind};
+use crate::openai::{Kind, OpenAi};
+use crate::state::{session_keys, AppState, ServerConfig, ROUTE, SESSION_KEYS};
 
 /// The checks above, CORS headers and preflight, and request counting.
 pub(crate) async fn guard(
@@ -196,6 +197,15 @@ fn add_cors(h: &mut HeaderMap) {
         "access-control-allow-headers",
         HeaderValue::from_static("*"),
     );
+}
+
+/// The dialect whose error shape answers a request to `path` that no handler
+/// parsed (authentication, body size, unknown routes).
+pub(crate) fn dialect_for_path(path: &str) -> Arc<dyn Dialect> {
+    if path.starts_with("/v1/messages") {
+        return Arc::new(crate::anthropic::Anthropic::default());
+    }
+    Arc::new(OpenAi(Kind::Chat))
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@
 //! * A final assistant message (Anthropic's "prefill") is refused: the chat
 //!   template can only close it and open a new turn, which is not what it means.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -36,8 +36,9 @@ use crate::dialect::{
     named, think_control, think_mode, AgentOptions, BadRequest, Dialect, ErrorKind, Gen, Input,
     Request, SamplingFields,
 };
-use crate::http::{self, AppState};
 use crate::prepare::{self, Refusal};
+use crate::relay;
+use crate::state::{cpu, AppState};
 use ds4_chat::turn::{CallOut, Piece, Turn};
 use ds4_runtime::{FinishReason, Overflow, Usage};
 
@@ -494,12 +495,13 @@ struct Blocks {
 /// content blocks).
 #[derive(Debug, Default)]
 pub struct Anthropic {
-    blocks: Mutex<Blocks>,
+    blocks: Blocks,
 }
 
-impl Anthropic {
+impl Blocks {
     /// Closes the open block (a thinking block gets its signature first).
-    fn close(&self, g: &Gen, b: &mut Blocks, out: &mut Vec<SseEvent>) {
+    fn close(&mut self, g: &Gen, out: &mut Vec<SseEvent>) {
+        let b = self;
         let Some(open) = b.open.take() else { return };
         let index = b.next - 1;
         if open == Open::Thinking {
@@ -516,11 +518,12 @@ impl Anthropic {
     }
 
     /// Opens a block of `kind` unless it is the open one; returns its index.
-    fn open(&self, g: &Gen, b: &mut Blocks, kind: Open, out: &mut Vec<SseEvent>) -> usize {
-        if b.open == Some(kind) {
-            return b.next - 1;
+    fn open(&mut self, g: &Gen, kind: Open, out: &mut Vec<SseEvent>) -> usize {
+        if self.open == Some(kind) {
+            return self.next - 1;
         }
-        self.close(g, b, out);
+        self.close(g, out);
+        let b = self;
         let block = match kind {
             Open::Thinking => json!({ "type": "thinking", "thinking": "" }),
             Open::Text => json!({ "type": "text", "text": "" }),
@@ -564,7 +567,7 @@ impl Dialect for Anthropic {
         }
     }
 
-    fn complete(&self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
+    fn complete(&mut self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
         let mut content = Vec::new();
         if !turn.reasoning.is_empty() {
             content.push(json!({ "type": "thinking", "thinking": turn.reasoning, "signature": message_id(g) }));
@@ -585,7 +588,7 @@ impl Dialect for Anthropic {
         })
     }
 
-    fn stream_start(&self, g: &Gen, started: &Usage) -> Vec<SseEvent> {
+    fn stream_start(&mut self, g: &Gen, started: &Usage) -> Vec<SseEvent> {
         let message = json!({
             "id": message_id(g), "type": "message", "role": "assistant", "model": g.model,
             "content": [], "stop_reason": null, "stop_sequence": null,
@@ -600,14 +603,12 @@ impl Dialect for Anthropic {
         ]
     }
 
-    fn stream_piece(&self, g: &Gen, piece: &Piece) -> Vec<SseEvent> {
+    fn stream_piece(&mut self, g: &Gen, piece: &Piece) -> Vec<SseEvent> {
         let mut out = Vec::new();
-        let Ok(mut b) = self.blocks.lock() else {
-            return out;
-        };
+        let b = &mut self.blocks;
         match piece {
             Piece::Reasoning(t) => {
-                let index = self.open(g, &mut b, Open::Thinking, &mut out);
+                let index = b.open(g, Open::Thinking, &mut out);
                 out.push(named(
                     "content_block_delta",
                     &json!({ "type": "content_block_delta", "index": index,
@@ -615,7 +616,7 @@ impl Dialect for Anthropic {
                 ));
             }
             Piece::Text(t) => {
-                let index = self.open(g, &mut b, Open::Text, &mut out);
+                let index = b.open(g, Open::Text, &mut out);
                 out.push(named(
                     "content_block_delta",
                     &json!({ "type": "content_block_delta", "index": index,
@@ -623,7 +624,7 @@ impl Dialect for Anthropic {
                 ));
             }
             Piece::Call(_, c) => {
-                self.close(g, &mut b, &mut out);
+                b.close(g, &mut out);
                 let index = b.next;
                 b.next += 1;
                 out.push(named(
@@ -649,7 +650,7 @@ impl Dialect for Anthropic {
     /// the checkpoint writes are only known after the prefill, so the
     /// `message_start` usage has `cache_creation_input_tokens` 0.
     fn stream_end(
-        &self,
+        &mut self,
         g: &Gen,
         _turn: &Turn,
         finish: FinishReason,
@@ -657,13 +658,12 @@ impl Dialect for Anthropic {
         _include_usage: bool,
     ) -> Vec<SseEvent> {
         let mut out = Vec::new();
-        if let Ok(mut b) = self.blocks.lock() {
-            if b.next == 0 {
-                // An empty answer still has its (empty) text block.
-                self.open(g, &mut b, Open::Text, &mut out);
-            }
-            self.close(g, &mut b, &mut out);
+        let b = &mut self.blocks;
+        if b.next == 0 {
+            // An empty answer still has its (empty) text block.
+            b.open(g, Open::Text, &mut out);
         }
+        b.close(g, &mut out);
         out.push(named(
             "message_delta",
             &json!({ "type": "message_delta",
@@ -674,7 +674,7 @@ impl Dialect for Anthropic {
         out
     }
 
-    fn stream_error(&self, _g: &Gen, message: &str) -> Vec<SseEvent> {
+    fn stream_error(&mut self, _g: &Gen, message: &str) -> Vec<SseEvent> {
         vec![named(
             "error",
             &error_body(
@@ -688,9 +688,9 @@ impl Dialect for Anthropic {
 
 /// `POST /v1/messages`.
 pub(crate) async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let d: Arc<dyn Dialect> = Arc::new(Anthropic::default());
-    match http::cpu(&st, move |_| parse_messages(&body)).await {
-        Ok(p) => http::run(st, p, d).await,
+    let d: Box<dyn Dialect> = Box::new(Anthropic::default());
+    match cpu(&st, move |_| parse_messages(&body)).await {
+        Ok(p) => relay::run(st, p, d).await,
         Err(e) => d.bad_request(e),
     }
 }
@@ -699,14 +699,14 @@ pub(crate) async fn messages(State(st): State<Arc<AppState>>, body: Bytes) -> Re
 /// as a cold prompt is.
 pub(crate) async fn count_tokens(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let d = Anthropic::default();
-    let counted = http::cpu(&st, move |st| {
+    let counted = cpu(&st, move |st| {
         let p = parse_count_tokens(&body).map_err(|e| Refusal::Invalid(e.message))?;
         prepare::count_tokens(st, p)
     })
     .await;
     match counted {
         Ok(n) => Json(json!({ "input_tokens": n })).into_response(),
-        Err(r) => http::refuse(&d, r),
+        Err(r) => relay::refuse(&d, r),
     }
 }
 
@@ -886,7 +886,7 @@ mod tests {
 
     #[test]
     fn thinking_then_text_then_a_call_are_numbered_blocks() {
-        let d = Anthropic::default();
+        let mut d = Anthropic::default();
         let g = gen();
         let call = CallOut {
             id: "toolu_1".into(),

@@ -12,9 +12,12 @@ pub mod normalize;
 pub mod notices;
 pub mod openai;
 pub mod prepare;
+mod relay;
 pub mod responses;
+mod state;
 pub mod tooling;
 pub mod trace;
 
 pub use conn::{serve, ConnEvent, Limits};
-pub use http::{default_body_limit, router, ServerConfig};
+pub use http::{default_body_limit, router};
+pub use state::ServerConfig;

@@ -2,13 +2,16 @@
 //! Requests are parsed into a [`Request`]; responses and SSE chunks are built in
 //! OpenAI's shapes, usage included.
 
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use ds4_chat::think::ThinkControl;
 use ds4_chat::{Message, Role, ToolCall, ToolChoice};
-use ds4_engine::SamplerConfig;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -16,6 +19,8 @@ use crate::dialect::{
     data, think_control, think_mode, AgentOptions, BadRequest, Dialect, ErrorKind, Gen, Input,
     Request, SamplingFields,
 };
+use crate::relay::run;
+use crate::state::{cpu, AppState};
 use ds4_chat::turn::{CallOut, Piece, Turn};
 use ds4_runtime::{FinishReason, Usage};
 
@@ -84,17 +89,6 @@ struct CompletionBody {
     #[serde(flatten)]
     common: Common,
     prompt: Option<Value>,
-}
-
-/// Sampling defaults when a request leaves them out (see docs/API.md).
-pub fn default_sampling() -> SamplerConfig {
-    SamplerConfig {
-        temperature: 0.2,
-        top_k: 40,
-        top_p: 0.9,
-        min_p: 0.05,
-        seed: 0,
-    }
 }
 
 fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, BadRequest> {
@@ -463,7 +457,7 @@ impl Dialect for OpenAi {
         bad_request_response(e)
     }
 
-    fn complete(&self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
+    fn complete(&mut self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
         let choice = match self.0 {
             Kind::Chat => {
                 let mut message = json!({ "role": "assistant", "content": turn.content });
@@ -486,7 +480,7 @@ impl Dialect for OpenAi {
                 "choices": [choice], "usage": usage_json(u) })
     }
 
-    fn stream_start(&self, g: &Gen, _started: &Usage) -> Vec<SseEvent> {
+    fn stream_start(&mut self, g: &Gen, _started: &Usage) -> Vec<SseEvent> {
         match self.0 {
             Kind::Chat => vec![data(&self.chunk(
                 g,
@@ -497,12 +491,12 @@ impl Dialect for OpenAi {
         }
     }
 
-    fn stream_piece(&self, g: &Gen, piece: &Piece) -> Vec<SseEvent> {
+    fn stream_piece(&mut self, g: &Gen, piece: &Piece) -> Vec<SseEvent> {
         vec![data(&self.chunk(g, piece_delta(piece), None))]
     }
 
     fn stream_end(
-        &self,
+        &mut self,
         g: &Gen,
         _turn: &Turn,
         finish: FinishReason,
@@ -519,11 +513,29 @@ impl Dialect for OpenAi {
         out
     }
 
-    fn stream_error(&self, _g: &Gen, message: &str) -> Vec<SseEvent> {
+    fn stream_error(&mut self, _g: &Gen, message: &str) -> Vec<SseEvent> {
         vec![
             data(&error_body(message, ErrorKind::Server, None)),
             SseEvent::default().data("[DONE]"),
         ]
+    }
+}
+
+/// `POST /v1/chat/completions`.
+pub(crate) async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let d: Box<dyn Dialect> = Box::new(OpenAi(Kind::Chat));
+    match cpu(&st, move |_| parse_chat(&body)).await {
+        Ok(p) => run(st, p, d).await,
+        Err(e) => d.bad_request(e),
+    }
+}
+
+/// `POST /v1/completions`.
+pub(crate) async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let d: Box<dyn Dialect> = Box::new(OpenAi(Kind::Completion));
+    match cpu(&st, move |_| parse_completion(&body)).await {
+        Ok(p) => run(st, p, d).await,
+        Err(e) => d.bad_request(e),
     }
 }
 

@@ -12,7 +12,7 @@ use ds4_engine::Tokenizer;
 use serde_json::json;
 
 use crate::dialect::{Input, Request};
-use crate::http::AppState;
+use crate::state::AppState;
 use ds4_runtime::ReplayStats;
 use ds4_runtime::{CallPlan, Gate, GateError, GrammarPlan, Overflow, TokenLimit};
 

@@ -16,8 +16,7 @@
 //! mode; `reasoning` input items are dropped (the family re-renders what it keeps).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -32,8 +31,9 @@ use crate::dialect::{
     named, think_mode, AgentOptions, BadRequest, Dialect, ErrorKind, Gen, Input, Request,
     SamplingFields,
 };
-use crate::http::{run, AppState};
 use crate::openai::{bad_request_response, error_response, tool_choice};
+use crate::relay::run;
+use crate::state::AppState;
 use ds4_chat::turn::{CallOut, Piece, Turn};
 use ds4_chat::ToolCall;
 use ds4_runtime::{Conversations, FinishReason, Usage};
@@ -118,12 +118,12 @@ pub struct Responses {
     /// messages before the answer (without the instructions).
     record: Option<(Arc<Conversations>, Vec<Message>)>,
     /// `sequence_number` of the next SSE event.
-    seq: AtomicU64,
+    seq: u64,
     /// The text streamed so far, for the `response.failed` object.
-    streamed: Mutex<String>,
+    streamed: String,
     /// The reasoning streamed so far (`Some` once its item opened) and whether
     /// its item is closed.
-    reasoning: Mutex<(Option<String>, bool)>,
+    reasoning: (Option<String>, bool),
 }
 
 fn bad(message: impl Into<String>, param: &'static str) -> BadRequest {
@@ -431,14 +431,14 @@ fn content_text(v: Option<&Value>, i: usize) -> Result<String, BadRequest> {
 /// `POST /v1/responses`.
 pub(crate) async fn create(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let conversations = Arc::clone(&st.conversations);
-    let parsed = crate::http::cpu(&st, move |_| {
+    let parsed = crate::state::cpu(&st, move |_| {
         let (mut p, mut d) = parse(&body)?;
         attach(&conversations, &mut p, &mut d)?;
         Ok((p, d))
     })
     .await;
     match parsed {
-        Ok((p, d)) => run(st, p, Arc::new(d)).await,
+        Ok((p, d)) => run(st, p, Box::new(d)).await,
         Err(Refusal::Bad(e)) => Responses::default().bad_request(e),
         Err(Refusal::UnknownPrevious(id)) => {
             let body = json!({ "error": {
@@ -629,15 +629,16 @@ impl Responses {
     }
 
     /// An event payload carrying its `type` and the next `sequence_number`.
-    fn event(&self, ty: &'static str, mut v: Value) -> (&'static str, Value) {
+    fn event(&mut self, ty: &'static str, mut v: Value) -> (&'static str, Value) {
         v["type"] = json!(ty);
-        v["sequence_number"] = json!(self.seq.fetch_add(1, Ordering::Relaxed));
+        v["sequence_number"] = json!(self.seq);
+        self.seq += 1;
         (ty, v)
     }
 
     /// `response.created` … `response.content_part.added`: the message item is
     /// opened before the first token, so an empty answer still has one.
-    fn start_events(&self, g: &Gen) -> Vec<(&'static str, Value)> {
+    fn start_events(&mut self, g: &Gen) -> Vec<(&'static str, Value)> {
         let msg_id = ids(g).1;
         let r = self.object(g, "in_progress", vec![], None, Value::Null, Value::Null);
         vec![
@@ -654,13 +655,11 @@ impl Responses {
         ]
     }
 
-    fn text_events(&self, g: &Gen, text: &str) -> Vec<(&'static str, Value)> {
+    fn text_events(&mut self, g: &Gen, text: &str) -> Vec<(&'static str, Value)> {
         if text.is_empty() {
             return vec![];
         }
-        if let Ok(mut s) = self.streamed.lock() {
-            s.push_str(text);
-        }
+        self.streamed.push_str(text);
         vec![self.event(
             "response.output_text.delta",
             json!({ "item_id": ids(g).1, "output_index": 0, "content_index": 0, "delta": text, "logprobs": [] }),
@@ -669,9 +668,9 @@ impl Responses {
 
     /// The events of the `index`-th call: its item, its arguments, done. Calls
     /// follow the message item (output index 0).
-    fn call_events(&self, g: &Gen, index: usize, c: &CallOut) -> Vec<(&'static str, Value)> {
+    fn call_events(&mut self, g: &Gen, index: usize, c: &CallOut) -> Vec<(&'static str, Value)> {
         let mut out = self.close_reasoning(g);
-        let had_reasoning = self.reasoning.lock().is_ok_and(|r| r.0.is_some());
+        let had_reasoning = self.reasoning.0.is_some();
         let output_index = index + 1 + usize::from(had_reasoning);
         let item_id = call_item_id(c);
         out.extend([
@@ -697,17 +696,14 @@ impl Responses {
 
     /// The events of a reasoning piece (only with a summary opt-in): the item
     /// (output index 1) opens with the first one.
-    fn reasoning_events(&self, g: &Gen, text: &str) -> Vec<(&'static str, Value)> {
+    fn reasoning_events(&mut self, g: &Gen, text: &str) -> Vec<(&'static str, Value)> {
         if self.echo.reasoning_summary.is_none() {
             return vec![];
         }
-        let Ok(mut r) = self.reasoning.lock() else {
-            return vec![];
-        };
         let id = reasoning_id(g);
         let mut out = Vec::new();
-        if r.0.is_none() {
-            r.0 = Some(String::new());
+        if self.reasoning.0.is_none() {
+            self.reasoning.0 = Some(String::new());
             out.push(self.event(
                 "response.output_item.added",
                 json!({ "output_index": 1, "item": reasoning_item(g, None) }),
@@ -718,7 +714,7 @@ impl Responses {
                         "part": { "type": "summary_text", "text": "" } }),
             ));
         }
-        if let Some(all) = &mut r.0 {
+        if let Some(all) = &mut self.reasoning.0 {
             all.push_str(text);
         }
         out.push(self.event(
@@ -729,15 +725,12 @@ impl Responses {
     }
 
     /// Closes the reasoning item if one is open (when the answer or a call starts).
-    fn close_reasoning(&self, g: &Gen) -> Vec<(&'static str, Value)> {
-        let Ok(mut r) = self.reasoning.lock() else {
-            return vec![];
-        };
-        let text = match (&r.0, r.1) {
+    fn close_reasoning(&mut self, g: &Gen) -> Vec<(&'static str, Value)> {
+        let text = match &self.reasoning {
             (Some(t), false) => t.clone(),
             _ => return vec![],
         };
-        r.1 = true;
+        self.reasoning.1 = true;
         let id = reasoning_id(g);
         vec![
             self.event(
@@ -759,7 +752,7 @@ impl Responses {
     /// The closing events of the message item, then `response.completed`, or
     /// `response.incomplete` when the output limit cut the answer.
     fn end_events(
-        &self,
+        &mut self,
         g: &Gen,
         turn: &Turn,
         finish: FinishReason,
@@ -810,8 +803,8 @@ impl Responses {
 
     /// `error`, then `response.failed` with the text streamed so far: how
     /// OpenAI ends a stream that fails after it started.
-    fn error_events(&self, g: &Gen, message: &str) -> Vec<(&'static str, Value)> {
-        let text = self.streamed.lock().map(|s| s.clone()).unwrap_or_default();
+    fn error_events(&mut self, g: &Gen, message: &str) -> Vec<(&'static str, Value)> {
+        let text = self.streamed.clone();
         let item = message_item(&ids(g).1, "incomplete", Some(&text));
         let error = json!({ "code": "server_error", "message": message });
         let r = self.object(g, "failed", vec![item], None, Value::Null, error);
@@ -843,7 +836,7 @@ impl Dialect for Responses {
         bad_request_response(e)
     }
 
-    fn complete(&self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
+    fn complete(&mut self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
         self.remember(g, turn, finish);
         let (item_status, status, incomplete) = statuses(finish);
         let items = output_items(
@@ -856,12 +849,12 @@ impl Dialect for Responses {
         self.object(g, status, items, Some(u), incomplete, Value::Null)
     }
 
-    fn stream_start(&self, g: &Gen, _started: &Usage) -> Vec<SseEvent> {
+    fn stream_start(&mut self, g: &Gen, _started: &Usage) -> Vec<SseEvent> {
         sse(self.start_events(g))
     }
 
     /// Reasoning is streamed only on a summary opt-in (`reasoning.summary`).
-    fn stream_piece(&self, g: &Gen, piece: &Piece) -> Vec<SseEvent> {
+    fn stream_piece(&mut self, g: &Gen, piece: &Piece) -> Vec<SseEvent> {
         match piece {
             Piece::Reasoning(t) => sse(self.reasoning_events(g, t)),
             Piece::Text(t) => {
@@ -874,7 +867,7 @@ impl Dialect for Responses {
     }
 
     fn stream_end(
-        &self,
+        &mut self,
         g: &Gen,
         turn: &Turn,
         finish: FinishReason,
@@ -885,7 +878,7 @@ impl Dialect for Responses {
         sse(self.end_events(g, turn, finish, u))
     }
 
-    fn stream_error(&self, g: &Gen, message: &str) -> Vec<SseEvent> {
+    fn stream_error(&mut self, g: &Gen, message: &str) -> Vec<SseEvent> {
         sse(self.error_events(g, message))
     }
 }
@@ -946,7 +939,7 @@ mod tests {
         assert_eq!((p.max_tokens, p.stream, p.stop.len()), (None, false, 0));
         assert_eq!(
             p.sampling.temperature,
-            crate::openai::default_sampling().temperature
+            crate::dialect::default_sampling().temperature
         );
     }
 
@@ -1174,7 +1167,7 @@ mod tests {
 
     #[test]
     fn response_objects_have_openai_shapes() {
-        let (_, d) = parse(br#"{"input":"x","max_output_tokens":3,"temperature":0}"#).unwrap();
+        let (_, mut d) = parse(br#"{"input":"x","max_output_tokens":3,"temperature":0}"#).unwrap();
         let v = d.complete(&gen(), &Turn::text("Paris"), FinishReason::Stop, &usage());
         assert_eq!(
             (
@@ -1209,7 +1202,7 @@ mod tests {
         );
         // Stored unless `store: false`, as OpenAI's default.
         assert_eq!((&v["tools"], &v["store"]), (&json!([]), &json!(true)));
-        let (_, unstored) = parse(br#"{"input":"x","store":false}"#).unwrap();
+        let (_, mut unstored) = parse(br#"{"input":"x","store":false}"#).unwrap();
         let v = unstored.complete(&gen(), &Turn::text("Paris"), FinishReason::Stop, &usage());
         assert_eq!(v["store"], false);
         assert_eq!(v["top_p"], json!(0.9));
@@ -1237,12 +1230,12 @@ mod tests {
             ..Turn::default()
         };
         let g = gen();
-        let (_, plain) = parse(br#"{"input":"x","reasoning":{"effort":"high"}}"#).unwrap();
+        let (_, mut plain) = parse(br#"{"input":"x","reasoning":{"effort":"high"}}"#).unwrap();
         assert!(plain.reasoning_events(&g, "hm").is_empty());
         let v = plain.complete(&g, &turn, FinishReason::ToolCalls, &usage());
         assert_eq!(v["output"].as_array().unwrap().len(), 2, "{v}");
 
-        let (_, d) =
+        let (_, mut d) =
             parse(br#"{"input":"x","reasoning":{"effort":"high","summary":"auto"}}"#).unwrap();
         let mut evs = d.reasoning_events(&g, "hm");
         evs.extend(d.reasoning_events(&g, " ok"));
@@ -1286,7 +1279,7 @@ mod tests {
 
     #[test]
     fn stream_events_come_in_sdk_order_and_number_themselves() {
-        let (_, d) = parse(br#"{"input":"x","stream":true}"#).unwrap();
+        let (_, mut d) = parse(br#"{"input":"x","stream":true}"#).unwrap();
         let g = gen();
         let mut evs = d.start_events(&g);
         evs.extend(d.text_events(&g, "Pa"));
@@ -1326,7 +1319,7 @@ mod tests {
             d.complete(&g, &Turn::text("Paris"), FinishReason::Stop, &usage())
         );
 
-        let (_, d) = parse(br#"{"input":"x"}"#).unwrap();
+        let (_, mut d) = parse(br#"{"input":"x"}"#).unwrap();
         let end = d.end_events(&g, &Turn::text("Pa"), FinishReason::Length, &usage());
         assert_eq!(end[3].0, "response.incomplete");
         assert_eq!(
@@ -1334,7 +1327,7 @@ mod tests {
             "max_output_tokens"
         );
 
-        let (_, d) = parse(br#"{"input":"x"}"#).unwrap();
+        let (_, mut d) = parse(br#"{"input":"x"}"#).unwrap();
         d.start_events(&g);
         d.text_events(&g, "Pa");
         let err = d.error_events(&g, "engine error: boom");
@@ -1368,7 +1361,7 @@ mod tests {
             "clients/codex-0.171.0-responses.json",
         ))
         .unwrap();
-        let (p, d) = parse(&body).unwrap();
+        let (p, mut d) = parse(&body).unwrap();
         let names: Vec<&str> = p.agent.tools.iter().map(|t| t.name.as_str()).collect();
         for want in ["exec_command", "close_agent", "spawn_agent", "update_goal"] {
             assert!(names.contains(&want), "{want} not in {names:?}");
