@@ -300,9 +300,9 @@ struct Slot {
     id: usize,
     /// A placeholder while the session is lent to the saver.
     session: Session,
-    /// The text and context of the session lent to the saver (its turn end
-    /// being written); the slot is not idle until it comes back.
-    lent: Option<(Vec<u8>, usize)>,
+    /// The tokens and context of the session lent to the saver (its turn
+    /// end being written); the slot is not idle until it comes back.
+    lent: Option<(Vec<u32>, usize)>,
     /// Its conversation's last turn-end checkpoint.
     turn_file: Option<TurnFile>,
     run: Option<Box<Run>>,
@@ -507,22 +507,30 @@ impl Engine {
                 .iter()
                 .filter(|s| s.run.is_none() && s.lent.is_none())
         };
-        // A job that continues a conversation whose turn end is being saved
-        // waits for it rather than starting elsewhere from less.
-        let continues_lent = self.slots.iter().any(|s| {
-            s.lent
-                .as_ref()
-                .is_some_and(|(text, _)| job.prompt.as_bytes().starts_with(text))
-                || (s.lent.is_some() && job.affinity.iter().any(|k| s.keys.contains(k)))
-        });
-        if continues_lent {
-            return None;
-        }
-        idle().next()?;
         let reuse = |s: &Slot| {
             let reused = Held::of(&s.session, &job.ids).tokens(&s.session);
             (reused, s.session.tokens().len() - reused)
         };
+        // A job that shares more with a conversation whose turn end is being
+        // saved than with any idle slot (its next turn, a retry, an edited
+        // reply), or that carries its keys, waits for it rather than
+        // starting elsewhere from less.
+        let worth = REUSE_MIN_TOKENS.min(job.ids.len().div_ceil(2)).max(1);
+        let idle_best = idle().map(|s| reuse(s).0).max().unwrap_or(0);
+        let waits_for_lent = self.slots.iter().any(|s| {
+            s.lent.as_ref().is_some_and(|(tokens, _)| {
+                let shared = tokens
+                    .iter()
+                    .zip(&job.ids)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                shared >= worth && shared > idle_best
+            }) || (s.lent.is_some() && job.affinity.iter().any(|k| s.keys.contains(k)))
+        });
+        if waits_for_lent {
+            return None;
+        }
+        idle().next()?;
         let least_valuable = |except: Option<usize>| {
             idle()
                 .filter(|s| Some(s.id) != except)
@@ -1028,7 +1036,7 @@ impl Engine {
             .prompt_text(slot.session.tokens());
         let placeholder = slot.session.sibling(1);
         let session = std::mem::replace(&mut slot.session, placeholder);
-        slot.lent = Some((text.clone(), session.n_ctx()));
+        slot.lent = Some((session.tokens().to_vec(), session.n_ctx()));
         let lend = Lend {
             slot: i,
             session,

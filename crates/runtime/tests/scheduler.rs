@@ -410,6 +410,12 @@ fn turn_ends_are_saved_in_the_background_and_serve_a_restart() {
     );
     let (r1, _, u1) = collect(rt.submit_job(&p1, 24, &[], turn_end).unwrap());
     let held1 = u1.prompt_tokens + u1.completion_tokens;
+    // The same request again at once (a retry): it shares all its prompt
+    // with the conversation being saved, so it waits for it and reuses it
+    // rather than starting cold on the other, empty slot.
+    let (_, _, again) = collect(rt.submit_job(&p1, 4, &[], None).unwrap());
+    assert_eq!(again.cache_source, CacheSource::MemoryToken, "{again:?}");
+    assert_eq!(again.cached_tokens, u1.prompt_tokens, "{again:?}");
     rt.wait_for_saves(SaveReason::TurnEnd, 1);
 
     // The restart: nothing but what is on disk.
