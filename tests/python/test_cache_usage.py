@@ -56,9 +56,12 @@ def test_openai_chat_cached_tokens(oai, cold):
 def anthropic_turns(reply=None):
     m = [{"role": "user", "content": LONG_QUESTION}]
     if reply is not None:
+        # Not the OpenAI test's follow-up: both render the same prompt, and the
+        # whole of that conversation is then held (in a slot, or its turn-end
+        # checkpoint), so nothing would be new here.
         m += [
             {"role": "assistant", "content": reply},
-            {"role": "user", "content": FOLLOW_UP},
+            {"role": "user", "content": FOLLOW_UP + " Answer briefly."},
         ]
     return m
 
