@@ -219,10 +219,12 @@ pub(crate) fn plan(
     } else {
         match persist.as_deref_mut() {
             // Memory offers too little to keep, or less than a checkpoint of
-            // the prompt holds.
+            // the prompt holds (asked only when what is left to prefill is
+            // worth a load: a lookup rescans the store, and a short new turn
+            // after a live conversation is the common case).
             Some(p)
                 if by_token < p.min_tokens()
-                    || (by_token < ids.len()
+                    || (ids.len().saturating_sub(by_token) >= p.min_tokens()
                         && p.offers_more_than(prompt.as_bytes(), session.n_ctx(), by_token)) =>
             {
                 let mut checkpoint = None;

@@ -27,6 +27,8 @@ pub(crate) struct TurnFile {
     path: PathBuf,
     tokens: usize,
     text_bytes: usize,
+    /// SHA-1 of its text (what the store names it by).
+    text_hash: [u8; 20],
 }
 
 /// A session lent to the saver.
@@ -131,8 +133,7 @@ fn save(writer: &Writer, l: &Lend) -> Option<TurnFile> {
     let tokens = l.session.tokens().len();
     if let Some(prev) = &l.previous {
         let prefix = prev.text_bytes < l.text.len()
-            && prev.path.file_stem().and_then(|s| s.to_str())
-                == Some(hex(&text_hash(&l.text[..prev.text_bytes])).as_str());
+            && text_hash(&l.text[..prev.text_bytes]) == prev.text_hash;
         if prev.path != path && prefix && l.session.can_rewind(prev.tokens) {
             writer.remove(
                 &prev.path,
@@ -148,9 +149,6 @@ fn save(writer: &Writer, l: &Lend) -> Option<TurnFile> {
         path,
         tokens,
         text_bytes: l.text.len(),
+        text_hash: text_hash(&l.text),
     })
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

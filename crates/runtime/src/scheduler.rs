@@ -507,16 +507,22 @@ impl Engine {
                 .iter()
                 .filter(|s| s.run.is_none() && s.lent.is_none())
         };
-        let reuse = |s: &Slot| {
-            let reused = Held::of(&s.session, &job.ids).tokens(&s.session);
-            (reused, s.session.tokens().len() - reused)
-        };
+        // What each idle slot holds of the job: (slot, reusable tokens, tokens
+        // it holds beyond them), computed once.
+        let reuses: Vec<(&Slot, usize, usize)> = idle()
+            .map(|s| {
+                let reused = Held::of(&s.session, &job.ids).tokens(&s.session);
+                (s, reused, s.session.tokens().len() - reused)
+            })
+            .collect();
+        // A shared prefix worth a slot: a system prompt and tool list, not a
+        // chance common start.
+        let worth = REUSE_MIN_TOKENS.min(job.ids.len().div_ceil(2)).max(1);
         // A job that shares more with a conversation whose turn end is being
         // saved than with any idle slot (its next turn, a retry, an edited
         // reply), or that carries its keys, waits for it rather than
         // starting elsewhere from less.
-        let worth = REUSE_MIN_TOKENS.min(job.ids.len().div_ceil(2)).max(1);
-        let idle_best = idle().map(|s| reuse(s).0).max().unwrap_or(0);
+        let idle_best = reuses.iter().map(|&(_, r, _)| r).max().unwrap_or(0);
         let waits_for_lent = self.slots.iter().any(|s| {
             s.lent.as_ref().is_some_and(|(tokens, _)| {
                 let shared = tokens
@@ -527,10 +533,9 @@ impl Engine {
                 shared >= worth && shared > idle_best
             }) || (s.lent.is_some() && job.affinity.iter().any(|k| s.keys.contains(k)))
         });
-        if waits_for_lent {
+        if waits_for_lent || reuses.is_empty() {
             return None;
         }
-        idle().next()?;
         let least_valuable = |except: Option<usize>| {
             idle()
                 .filter(|s| Some(s.id) != except)
@@ -542,24 +547,20 @@ impl Engine {
             fork_from: None,
             save_first: false,
         };
-        if let Some((_, s)) = idle()
-            .map(|s| (reuse(s), s))
-            .filter(|&((reused, lost), _)| reused > 0 && lost == 0)
-            .max_by_key(|&((reused, _), s)| (reused, std::cmp::Reverse(s.id)))
-        {
+        let longest = |keep: &dyn Fn(usize, usize) -> bool| {
+            reuses
+                .iter()
+                .filter(|&&(_, reused, lost)| keep(reused, lost))
+                .max_by_key(|&&(s, reused, _)| (reused, std::cmp::Reverse(s.id)))
+                .copied()
+        };
+        if let Some((s, _, _)) = longest(&|reused, lost| reused > 0 && lost == 0) {
             return Some(at(s.id));
         }
         if let Some(s) = idle().find(|s| job.affinity.iter().any(|k| s.keys.contains(k))) {
             return Some(at(s.id));
         }
-        if let Some((lost, s)) = idle()
-            .map(|s| (reuse(s), s))
-            .filter(|&((reused, _), _)| {
-                reused >= REUSE_MIN_TOKENS.min(job.ids.len().div_ceil(2)).max(1)
-            })
-            .max_by_key(|&((reused, _), s)| (reused, std::cmp::Reverse(s.id)))
-            .map(|((_, lost), s)| (lost, s))
-        {
+        if let Some((s, _, lost)) = longest(&|reused, _| reused >= worth) {
             // Fork when what the cut would lose is worth more than what the
             // copy replaces.
             let fork_to =
