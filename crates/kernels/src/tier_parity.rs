@@ -841,6 +841,10 @@ fn act16_products_are_bit_identical_on_every_tier() {
             (5, 9),
             (1, 17),
             (70, 9),
+            // Rows of 18 blocks in four decode stretches of 32, 12 KiB apart:
+            // the stretches are lengthened to 35 and the last one runs short.
+            (128, 1),
+            (128, 3),
         ] {
             for how in [Scales::AnyFinite, Scales::Typical] {
                 let n = nb * QK8_0;

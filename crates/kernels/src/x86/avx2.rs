@@ -1793,6 +1793,12 @@ pub(super) struct Prefetch {
 }
 
 impl Prefetch {
+    /// Requests nothing (a placeholder to overwrite).
+    pub(super) const NONE: Prefetch = Prefetch {
+        start: std::ptr::null(),
+        per_step: 0,
+    };
+
     /// For a group processed in `steps` steps (at least one).
     #[inline]
     pub(super) fn new<T>(group: &[T], groups_ahead: usize, steps: usize) -> Self {
