@@ -12,7 +12,7 @@ use crate::rope::RopeScaling;
 /// How matrix products treat activations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Precision {
-    /// Against Q4_1, Q8_0 and Q5_0 weights, activations rounded to 16-bit blocks and
+    /// Against Q4_1, Q8_0, Q5_0, Q4_K and Q6_K weights, activations rounded to 16-bit blocks and
     /// integer dot products (`ds4_kernels::act16`, order F2: an error of at most
     /// 1/65534 of each block's largest value); against other formats, f32
     /// activations and weights dotted with fused multiply-adds

@@ -1,5 +1,6 @@
 //! 16-bit activations: the fast path's order ("F2") for Q4_1 and Q8_0 weights,
-//! the formats of the default model.
+//! the formats of the default model, and for Q4_K and Q6_K weights resolved at
+//! load into blocks of 32 with f32 scales ([`SubQ4K`], [`SubQ6K`]).
 //!
 //! Each activation row is rounded per block of 32 to 16-bit integers, `x ≈ s·q`
 //! with `s = amax / 32767`: an error of at most 1/65534 of the block's largest
@@ -11,14 +12,16 @@
 //! AVX2.
 //!
 //! The order, for one weight row against one activation row, block `b` holding
-//! weight quants `w[j]` (Q4_1 nibbles 0..=15, Q8_0 bytes) and activation quants
-//! `x[j]`, `j` in `0..32`:
+//! weight quants `w[j]` (Q4_1 and Q4_K nibbles 0..=15, Q8_0 bytes, Q6_K's
+//! `q - 32`) and activation quants `x[j]`, `j` in `0..32`:
 //! 1. Eight exact integer lane sums: lane `l` is `Σ w[j]·x[j]` over
 //!    `j` in `4l..4l+4` (the pairs `vpmaddwd` forms over the block's even and
 //!    odd elements, then added).
 //! 2. `c = d_b·s_b` (one rounding), then `acc[l] = fma(lane l as f32, c, acc[l])`
 //!    for the blocks in order. Each lane sum is exact in f32 (|sum| <= 2^24).
-//! 3. Q4_1 only (`w = d·q + m`): `macc[b % 8] = fma(m_b, σ_b, macc[b % 8])` with
+//!    Q6_K's blocks hold two sub-blocks of 16 with a scale each: lanes 0..4
+//!    take `c = d_b·s_b`, lanes 4..8 `c = d2_b·s_b`.
+//! 3. Q4_1 and Q4_K only (`w = d·q + m`): `macc[b % 8] = fma(m_b, σ_b, macc[b % 8])` with
 //!    `σ_b = s_b·Σx[j]` (formed when the activations are quantized), the blocks
 //!    padded to a multiple of eight with `m = σ = 0`; then `acc[l] += macc[l]`.
 //! 4. The lane reduction of [`crate::f32`] (`reduce_lanes`).
@@ -212,63 +215,94 @@ pub(crate) fn check_quantize(x: usize, q: usize, scale: usize, sum: usize) {
     );
 }
 
-/// A weight block order F2 runs (Q4_1, Q8_0): its 32 quants in element order,
-/// `d`, `m` for formats with a minimum, and how [`F2Matrix`] stores it.
+/// Which block type an [`F2Matrix`] holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum F2Kind {
+    Q4_1,
+    Q8_0,
+    /// [`SubQ4K`], from Q4_K.
+    Q4K,
+    /// [`SubQ6K`], from Q6_K.
+    Q6K,
+}
+
+/// A weight block order F2 runs: its 32 quants in element order, its scale per
+/// lane, `m` for formats with a minimum, and how [`F2Matrix`] stores it. The
+/// GGUF blocks Q4_1 and Q8_0 as they are; Q4_K and Q6_K as [`SubQ4K`] and
+/// [`SubQ6K`], their sub-blocks of 32 with the scales resolved to f32.
 pub trait F2Block: bytemuck::Pod + sealed::Sealed {
+    /// The matrix kind of these blocks.
+    const KIND: F2Kind;
     /// Whether the block has a minimum (`m`).
     const HAS_MIN: bool;
+    /// Whether the block has two scales, `d` for lanes 0..4 (elements 0..16)
+    /// and `d2` for lanes 4..8 (Q6_K's sub-blocks of 16).
+    const SPLIT: bool = false;
+    /// Whether the heads are stored as f32 (else f16).
+    const HEAD_F32: bool = false;
     /// Bytes of quants per block in [`F2Matrix`] (as in the block itself).
     const QUANT_BYTES: usize;
-    /// Bytes of f16 heads per chunk of eight blocks in [`F2Matrix`]: eight `d`s,
-    /// and with a minimum eight `m`s.
-    const HEAD_BYTES: usize = if Self::HAS_MIN { 32 } else { 16 };
+    /// Heads per block: `d`, then `m` or `d2`.
+    const HEADS: usize = if Self::HAS_MIN || Self::SPLIT { 2 } else { 1 };
+    /// Bytes per head.
+    const HEAD_SIZE: usize = if Self::HEAD_F32 { 4 } else { 2 };
+    /// Bytes of heads per chunk of eight blocks in [`F2Matrix`]: eight `d`s,
+    /// then eight of the second head.
+    const HEAD_BYTES: usize = Self::HEADS * CHUNK * Self::HEAD_SIZE;
     /// Bytes of a whole chunk (heads and eight blocks' quants) in [`F2Matrix`].
     const CHUNK_BYTES: usize = Self::HEAD_BYTES + CHUNK * Self::QUANT_BYTES;
     #[doc(hidden)]
     fn quants(&self) -> [i32; QK_ACT16];
+    /// The scale of lane `l` (the same for all lanes but in a split block).
     #[doc(hidden)]
-    fn scale(&self) -> f32;
+    fn scale(&self, lane: usize) -> f32;
     #[doc(hidden)]
     fn min(&self) -> f32;
-    /// The f16 `d` and `m` (zeros without a minimum) as stored.
+    /// Head `k` (`k < HEADS`) as stored: its first [`Self::HEAD_SIZE`] bytes.
     #[doc(hidden)]
-    fn heads(&self) -> ([u8; 2], [u8; 2]);
+    fn head(&self, k: usize) -> [u8; 4];
     /// The stored quant bytes.
     #[doc(hidden)]
     fn quant_bytes(&self) -> &[u8];
     /// The block from its stored parts (`qs` of [`Self::QUANT_BYTES`]).
     #[doc(hidden)]
-    fn from_parts(d: [u8; 2], m: [u8; 2], qs: &[u8]) -> Self;
+    fn from_parts(heads: [[u8; 4]; 2], qs: &[u8]) -> Self;
 }
 
 mod sealed {
     pub trait Sealed {}
     impl Sealed for crate::q4_1::BlockQ4_1 {}
     impl Sealed for crate::q8_0::BlockQ8_0 {}
+    impl Sealed for super::SubQ4K {}
+    impl Sealed for super::SubQ6K {}
+}
+
+/// An f16 head in [`F2Block::head`]'s form.
+fn f16_head(h: [u8; 2]) -> [u8; 4] {
+    [h[0], h[1], 0, 0]
 }
 
 impl F2Block for BlockQ4_1 {
+    const KIND: F2Kind = F2Kind::Q4_1;
     const HAS_MIN: bool = true;
     const QUANT_BYTES: usize = 16;
     fn quants(&self) -> [i32; QK_ACT16] {
-        std::array::from_fn(|j| {
-            let byte = self.qs[j % 16];
-            i32::from(if j < 16 { byte & 0x0F } else { byte >> 4 })
-        })
+        nibble_quants(&self.qs)
     }
-    fn scale(&self) -> f32 {
+    fn scale(&self, _lane: usize) -> f32 {
         fp16_to_fp32(self.d)
     }
     fn min(&self) -> f32 {
         fp16_to_fp32(self.m)
     }
-    fn heads(&self) -> ([u8; 2], [u8; 2]) {
-        (self.d, self.m)
+    fn head(&self, k: usize) -> [u8; 4] {
+        f16_head(if k == 0 { self.d } else { self.m })
     }
     fn quant_bytes(&self) -> &[u8] {
         &self.qs
     }
-    fn from_parts(d: [u8; 2], m: [u8; 2], qs: &[u8]) -> Self {
+    fn from_parts(heads: [[u8; 4]; 2], qs: &[u8]) -> Self {
+        let [d, m] = heads.map(|h| [h[0], h[1]]);
         let mut b = BlockQ4_1 { d, m, qs: [0; 16] };
         b.qs.copy_from_slice(qs);
         b
@@ -276,25 +310,187 @@ impl F2Block for BlockQ4_1 {
 }
 
 impl F2Block for BlockQ8_0 {
+    const KIND: F2Kind = F2Kind::Q8_0;
     const HAS_MIN: bool = false;
     const QUANT_BYTES: usize = 32;
     fn quants(&self) -> [i32; QK_ACT16] {
         self.qs.map(i32::from)
     }
-    fn scale(&self) -> f32 {
+    fn scale(&self, _lane: usize) -> f32 {
         fp16_to_fp32(self.d)
     }
     fn min(&self) -> f32 {
         0.0
     }
-    fn heads(&self) -> ([u8; 2], [u8; 2]) {
-        (self.d, [0; 2])
+    fn head(&self, _k: usize) -> [u8; 4] {
+        f16_head(self.d)
     }
     fn quant_bytes(&self) -> &[u8] {
         bytemuck::cast_slice(&self.qs)
     }
-    fn from_parts(d: [u8; 2], _m: [u8; 2], qs: &[u8]) -> Self {
-        let mut b = BlockQ8_0 { d, qs: [0; 32] };
+    fn from_parts(heads: [[u8; 4]; 2], qs: &[u8]) -> Self {
+        let mut b = BlockQ8_0 {
+            d: [heads[0][0], heads[0][1]],
+            qs: [0; 32],
+        };
+        b.qs.copy_from_slice(bytemuck::cast_slice(qs));
+        b
+    }
+}
+
+/// Quants packed as Q4_1's: element `j < 16` in the low nibble of byte `j`,
+/// element `16 + j` in its high nibble.
+fn nibble_quants(qs: &[u8; 16]) -> [i32; QK_ACT16] {
+    std::array::from_fn(|j| {
+        let byte = qs[j % 16];
+        i32::from(if j < 16 { byte & 0x0F } else { byte >> 4 })
+    })
+}
+
+/// One Q4_K sub-block of 32 as order F2 runs it: `w = d·q + m` with `d` the
+/// super-block's `d` times the sub-block's scale and `m` minus its `dmin`
+/// times the sub-block's min, both exact in f32 (an f16 times a 6-bit
+/// integer), the values the Q4_K dequantizer computes; the nibbles re-laid as
+/// Q4_1's, so its kernels widen them alike.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct SubQ4K {
+    /// `d`, f32 little-endian.
+    pub d: [u8; 4],
+    /// `m`, f32 little-endian.
+    pub m: [u8; 4],
+    /// 4-bit quants as Q4_1 packs them.
+    pub qs: [u8; 16],
+}
+
+const _: () = assert!(size_of::<SubQ4K>() == 24 && align_of::<SubQ4K>() == 1);
+
+impl SubQ4K {
+    /// The eight sub-blocks of each of `blocks`, in element order.
+    pub fn from_q4_k(blocks: &[crate::q4_k::BlockQ4_K]) -> Vec<SubQ4K> {
+        let mut out = Vec::with_capacity(8 * blocks.len());
+        for b in blocks {
+            let (d, dmin) = (fp16_to_fp32(b.d), fp16_to_fp32(b.dmin));
+            for (pair, q) in b.qs.chunks_exact(32).enumerate() {
+                for (half, shift) in [(0, 0), (1, 4)] {
+                    let (sc, m) = crate::q4_k::get_scale_min_k4(2 * pair + half, &b.scales);
+                    let nib = |i: usize| (q[i] >> shift) & 0x0F;
+                    out.push(SubQ4K {
+                        d: (d * f32::from(sc)).to_le_bytes(),
+                        m: (-(dmin * f32::from(m))).to_le_bytes(),
+                        qs: std::array::from_fn(|j| nib(j) | (nib(16 + j) << 4)),
+                    });
+                }
+            }
+        }
+        out
+    }
+}
+
+impl F2Block for SubQ4K {
+    const KIND: F2Kind = F2Kind::Q4K;
+    const HAS_MIN: bool = true;
+    const HEAD_F32: bool = true;
+    const QUANT_BYTES: usize = 16;
+    fn quants(&self) -> [i32; QK_ACT16] {
+        nibble_quants(&self.qs)
+    }
+    fn scale(&self, _lane: usize) -> f32 {
+        f32::from_le_bytes(self.d)
+    }
+    fn min(&self) -> f32 {
+        f32::from_le_bytes(self.m)
+    }
+    fn head(&self, k: usize) -> [u8; 4] {
+        if k == 0 {
+            self.d
+        } else {
+            self.m
+        }
+    }
+    fn quant_bytes(&self) -> &[u8] {
+        &self.qs
+    }
+    fn from_parts(heads: [[u8; 4]; 2], qs: &[u8]) -> Self {
+        let mut b = SubQ4K {
+            d: heads[0],
+            m: heads[1],
+            qs: [0; 16],
+        };
+        b.qs.copy_from_slice(qs);
+        b
+    }
+}
+
+/// Two Q6_K sub-blocks of 16 as one block of order F2: quants `q - 32` as
+/// bytes (Q8_0's form) and a scale per sub-block, the super-block's `d` times
+/// the sub-block's scale (exact in f32: an f16 times an 8-bit integer). The
+/// first scale is lanes 0..4's, the second lanes 4..8's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct SubQ6K {
+    /// The first sub-block's scale, f32 little-endian.
+    pub d: [u8; 4],
+    /// The second sub-block's scale, f32 little-endian.
+    pub d2: [u8; 4],
+    /// The quants minus 32.
+    pub qs: [i8; 32],
+}
+
+const _: () = assert!(size_of::<SubQ6K>() == 40 && align_of::<SubQ6K>() == 1);
+
+impl SubQ6K {
+    /// The eight blocks of 32 of each of `blocks`, in element order.
+    pub fn from_q6_k(blocks: &[crate::q6_k::BlockQ6_K]) -> Vec<SubQ6K> {
+        let mut out = Vec::with_capacity(8 * blocks.len());
+        for b in blocks {
+            let d = fp16_to_fp32(b.d);
+            let q = crate::q6_k::unpack(b);
+            for (j, q) in q.chunks_exact(QK_ACT16).enumerate() {
+                let scale = |k: usize| (d * f32::from(b.scales[2 * j + k])).to_le_bytes();
+                out.push(SubQ6K {
+                    d: scale(0),
+                    d2: scale(1),
+                    // -32..=31: the 6-bit quants minus 32.
+                    qs: std::array::from_fn(|i| q[i] as i8),
+                });
+            }
+        }
+        out
+    }
+}
+
+impl F2Block for SubQ6K {
+    const KIND: F2Kind = F2Kind::Q6K;
+    const HAS_MIN: bool = false;
+    const SPLIT: bool = true;
+    const HEAD_F32: bool = true;
+    const QUANT_BYTES: usize = 32;
+    fn quants(&self) -> [i32; QK_ACT16] {
+        self.qs.map(i32::from)
+    }
+    fn scale(&self, lane: usize) -> f32 {
+        f32::from_le_bytes(if lane < LANES / 2 { self.d } else { self.d2 })
+    }
+    fn min(&self) -> f32 {
+        0.0
+    }
+    fn head(&self, k: usize) -> [u8; 4] {
+        if k == 0 {
+            self.d
+        } else {
+            self.d2
+        }
+    }
+    fn quant_bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.qs)
+    }
+    fn from_parts(heads: [[u8; 4]; 2], qs: &[u8]) -> Self {
+        let mut b = SubQ6K {
+            d: heads[0],
+            d2: heads[1],
+            qs: [0; 32],
+        };
         b.qs.copy_from_slice(bytemuck::cast_slice(qs));
         b
     }
@@ -303,15 +499,15 @@ impl F2Block for BlockQ8_0 {
 /// Blocks per chunk of [`F2Matrix`] (one 8-lane vector of heads).
 pub(crate) const CHUNK: usize = LANES;
 
-/// A Q4_1 or Q8_0 matrix re-laid for order F2's kernels, built once at load: per
-/// row, per chunk of eight blocks (the last may be shorter), the chunk's eight f16
-/// `d`s, for Q4_1 its eight `m`s, then the chunk's blocks' quants, each as stored
-/// in the block. A chunk's heads are one vector load instead of a gather across
-/// eight blocks (decode measured 1.5x faster). The same bytes as the blocks, plus
-/// zero heads padding a short last chunk.
+/// A matrix of [`F2Block`]s re-laid for order F2's kernels, built once at load:
+/// per row, per chunk of eight blocks (the last may be shorter), the chunk's
+/// eight `d`s, with a second head its eight `m`s (or `d2`s), then the chunk's
+/// blocks' quants, each as stored in the block. A chunk's heads are one vector
+/// load instead of a gather across eight blocks (decode measured 1.5x faster).
+/// The same bytes as the blocks, plus zero heads padding a short last chunk.
 #[derive(Clone, Debug)]
 pub struct F2Matrix {
-    has_min: bool,
+    kind: F2Kind,
     nb: usize,
     n_rows: usize,
     bytes: Vec<u8>,
@@ -336,16 +532,12 @@ impl F2Matrix {
         let mut bytes = Vec::with_capacity(w.len() / nb * f2_row_bytes::<B>(nb));
         for row in w.chunks_exact(nb) {
             for chunk in row.chunks(CHUNK) {
-                let heads = |part: fn(&B) -> [u8; 2]| {
-                    let mut h = [0u8; 2 * CHUNK];
-                    for (h, b) in h.chunks_exact_mut(2).zip(chunk) {
-                        h.copy_from_slice(&part(b));
+                for k in 0..B::HEADS {
+                    let mut h = [0u8; 4 * CHUNK];
+                    for (h, b) in h.chunks_exact_mut(B::HEAD_SIZE).zip(chunk) {
+                        h.copy_from_slice(&b.head(k)[..B::HEAD_SIZE]);
                     }
-                    h
-                };
-                bytes.extend_from_slice(&heads(|b| b.heads().0));
-                if B::HAS_MIN {
-                    bytes.extend_from_slice(&heads(|b| b.heads().1));
+                    bytes.extend_from_slice(&h[..B::HEAD_SIZE * CHUNK]);
                 }
                 for b in chunk {
                     bytes.extend_from_slice(b.quant_bytes());
@@ -353,7 +545,7 @@ impl F2Matrix {
             }
         }
         F2Matrix {
-            has_min: B::HAS_MIN,
+            kind: B::KIND,
             nb,
             n_rows: w.len() / nb,
             bytes,
@@ -370,9 +562,9 @@ impl F2Matrix {
         self.nb
     }
 
-    /// Whether it was packed from blocks with a minimum (Q4_1).
-    pub fn has_min(&self) -> bool {
-        self.has_min
+    /// The blocks it was packed from.
+    pub fn kind(&self) -> F2Kind {
+        self.kind
     }
 
     /// Rows `rows` as blocks of `B`.
@@ -381,7 +573,7 @@ impl F2Matrix {
     /// If the matrix was not packed from `B` blocks or `rows` is out of range.
     pub fn rows<B: F2Block>(&self, rows: std::ops::Range<usize>) -> F2Rows<'_, B> {
         assert!(
-            self.has_min == B::HAS_MIN && rows.start <= rows.end && rows.end <= self.n_rows,
+            self.kind == B::KIND && rows.start <= rows.end && rows.end <= self.n_rows,
             "F2 layout: rows {rows:?} of {} as the wrong format or out of range",
             self.n_rows
         );
@@ -415,12 +607,15 @@ impl<B: F2Block> F2Rows<'_, B> {
         let (c, j) = (b / CHUNK, b % CHUNK);
         let chunk = r * self.row_bytes() + c * B::CHUNK_BYTES;
         let head = |k: usize| {
-            let at = chunk + k * 2 * CHUNK + 2 * j;
-            [self.bytes[at], self.bytes[at + 1]]
+            let mut h = [0u8; 4];
+            if k < B::HEADS {
+                let at = chunk + (k * CHUNK + j) * B::HEAD_SIZE;
+                h[..B::HEAD_SIZE].copy_from_slice(&self.bytes[at..at + B::HEAD_SIZE]);
+            }
+            h
         };
-        let m = if B::HAS_MIN { head(1) } else { [0; 2] };
         let q = chunk + B::HEAD_BYTES + j * B::QUANT_BYTES;
-        B::from_parts(head(0), m, &self.bytes[q..q + B::QUANT_BYTES])
+        B::from_parts([head(0), head(1)], &self.bytes[q..q + B::QUANT_BYTES])
     }
 }
 
@@ -431,8 +626,8 @@ fn dot_ref<B: F2Block>(row: impl ExactSizeIterator<Item = B>, a: Act16Row<'_>) -
     let nb = row.len();
     for (b, (blk, x)) in row.zip(a.q.chunks_exact(QK_ACT16)).enumerate() {
         let w = blk.quants();
-        let c = blk.scale() * a.scale[b];
         for (l, acc) in acc.iter_mut().enumerate() {
+            let c = blk.scale(l) * a.scale[b];
             let p: i32 = (4 * l..4 * l + 4)
                 .map(|j| w[j] * i32::from(x[stored_index(j)]))
                 .sum();
@@ -468,6 +663,22 @@ pub fn gemm_q4_1_ref(w: &[BlockQ4_1], acts: &Act16, out: &mut [f32]) {
 /// # Panics
 /// As [`gemm_q4_1_ref`].
 pub fn gemm_q8_0_ref(w: &[BlockQ8_0], acts: &Act16, out: &mut [f32]) {
+    gemm_ref(w, acts, out)
+}
+
+/// [`gemm_q4_1_ref`] for Q4_K rows resolved into [`SubQ4K`]s.
+///
+/// # Panics
+/// As [`gemm_q4_1_ref`].
+pub fn gemm_q4_k_ref(w: &[SubQ4K], acts: &Act16, out: &mut [f32]) {
+    gemm_ref(w, acts, out)
+}
+
+/// [`gemm_q4_1_ref`] for Q6_K rows resolved into [`SubQ6K`]s.
+///
+/// # Panics
+/// As [`gemm_q4_1_ref`].
+pub fn gemm_q6_k_ref(w: &[SubQ6K], acts: &Act16, out: &mut [f32]) {
     gemm_ref(w, acts, out)
 }
 
@@ -534,10 +745,23 @@ pub fn gemm_q8_0(w: F2Rows<'_, BlockQ8_0>, acts: &Act16, out: &mut [f32]) {
     (crate::kernels().gemm_q8_0_act16)(w, acts, out)
 }
 
+/// [`gemm_q4_k_ref`] on packed rows, by the selected tier.
+#[inline]
+pub fn gemm_q4_k(w: F2Rows<'_, SubQ4K>, acts: &Act16, out: &mut [f32]) {
+    (crate::kernels().gemm_q4_k_act16)(w, acts, out)
+}
+
+/// [`gemm_q6_k_ref`] on packed rows, by the selected tier.
+#[inline]
+pub fn gemm_q6_k(w: F2Rows<'_, SubQ6K>, acts: &Act16, out: &mut [f32]) {
+    (crate::kernels().gemm_q6_k_act16)(w, acts, out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::testing::{dot_f64, XorShift};
+    use bytemuck::Zeroable;
 
     fn quantized(x: &[f32], n: usize) -> Act16 {
         let mut a = Act16::default();
@@ -590,6 +814,40 @@ mod tests {
         }
     }
 
+    /// K-quant super-blocks of typical weights (and a few extreme ones).
+    fn k_quant_weights(rng: &mut XorShift, n: usize) -> Vec<f32> {
+        let mut w = rng.vec_weights(n, 0.05);
+        w[3] = 0.9;
+        w[300] = -1.7;
+        w
+    }
+
+    #[test]
+    fn k_quant_sub_blocks_hold_exactly_the_dequantized_values() {
+        let mut rng = XorShift::new(23);
+        let w = k_quant_weights(&mut rng, 256 * 3);
+        let mut q4 = vec![crate::q4_k::BlockQ4_K::zeroed(); 3];
+        crate::q4_k::quantize_row_ref(&w, &mut q4);
+        let mut q6 = vec![crate::q6_k::BlockQ6_K::zeroed(); 3];
+        crate::q6_k::quantize_row_ref(&w, &mut q6);
+        let (mut d4, mut d6) = (vec![0.0; w.len()], vec![0.0; w.len()]);
+        crate::q4_k::dequantize_row(&q4, &mut d4);
+        crate::q6_k::dequantize_row(&q6, &mut d6);
+        let (s4, s6) = (SubQ4K::from_q4_k(&q4), SubQ6K::from_q6_k(&q6));
+        assert_eq!((s4.len(), s6.len()), (24, 24));
+        for (b, (s4, s6)) in s4.iter().zip(&s6).enumerate() {
+            let (q4, q6) = (s4.quants(), s6.quants());
+            for j in 0..QK_ACT16 {
+                let i = QK_ACT16 * b + j;
+                // The dequantizers' own operations: `d·q - m` and `(d·sc)·q`.
+                let v4 = s4.scale(j / 4) * q4[j] as f32 + s4.min();
+                assert_eq!(v4.to_bits(), d4[i].to_bits(), "q4_K element {i}");
+                let v6 = s6.scale(j / 4) * q6[j] as f32;
+                assert_eq!(v6.to_bits(), d6[i].to_bits(), "q6_K element {i}");
+            }
+        }
+    }
+
     #[test]
     fn q4_1_and_q8_0_products_are_close_to_f64() {
         let mut rng = XorShift::new(22);
@@ -615,14 +873,42 @@ mod tests {
         crate::q4_1::dequantize_row(&q4, &mut d4);
         crate::q8_0::dequantize_row(&q8, &mut d8);
         for (out, wd) in [(&o4, &d4), (&o8, &d8)] {
-            for t in 0..toks {
-                for r in 0..rows {
-                    let (wr, xt) = (&wd[r * n..(r + 1) * n], &x[t * n..(t + 1) * n]);
-                    let scale: f64 = wr.iter().zip(xt).map(|(a, b)| (a * b).abs() as f64).sum();
-                    let err = (out[t * rows + r] as f64 - dot_f64(wr, xt)).abs();
-                    assert!(err <= 1e-4 * scale, "t={t} r={r}: err {err} of {scale}");
-                }
+            assert_close_to_f64(out, wd, &x, n);
+        }
+    }
+
+    /// `out[t·rows + r]` against the f64 dot product of dequantized row `r` of
+    /// `wd` and row `t` of `x` (rows of `n`): within 1e-4 of the sum of the
+    /// products' magnitudes.
+    fn assert_close_to_f64(out: &[f32], wd: &[f32], x: &[f32], n: usize) {
+        let rows = wd.len() / n;
+        for (t, xt) in x.chunks_exact(n).enumerate() {
+            for (r, wr) in wd.chunks_exact(n).enumerate() {
+                let scale: f64 = wr.iter().zip(xt).map(|(a, b)| (a * b).abs() as f64).sum();
+                let err = (out[t * rows + r] as f64 - dot_f64(wr, xt)).abs();
+                assert!(err <= 1e-4 * scale, "t={t} r={r}: err {err} of {scale}");
             }
         }
+    }
+
+    #[test]
+    fn k_quant_products_are_close_to_f64() {
+        let mut rng = XorShift::new(24);
+        let (n, rows, toks) = (256 * 2, 3, 2);
+        let w = k_quant_weights(&mut rng, n * rows);
+        let x = rng.vec_uniform(n * toks, -2.0, 2.0);
+        let a = quantized(&x, n);
+        let mut q4 = vec![crate::q4_k::BlockQ4_K::zeroed(); w.len() / 256];
+        crate::q4_k::quantize_row_ref(&w, &mut q4);
+        let mut q6 = vec![crate::q6_k::BlockQ6_K::zeroed(); w.len() / 256];
+        crate::q6_k::quantize_row_ref(&w, &mut q6);
+        let (mut o4, mut o6) = (vec![0.0; rows * toks], vec![0.0; rows * toks]);
+        gemm_q4_k_ref(&SubQ4K::from_q4_k(&q4), &a, &mut o4);
+        gemm_q6_k_ref(&SubQ6K::from_q6_k(&q6), &a, &mut o6);
+        let (mut d4, mut d6) = (vec![0.0; w.len()], vec![0.0; w.len()]);
+        crate::q4_k::dequantize_row(&q4, &mut d4);
+        crate::q6_k::dequantize_row(&q6, &mut d6);
+        assert_close_to_f64(&o4, &d4, &x, n);
+        assert_close_to_f64(&o6, &d6, &x, n);
     }
 }

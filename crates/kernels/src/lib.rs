@@ -120,6 +120,10 @@ pub(crate) struct Kernels {
     pub(crate) gemm_q4_1_act16: GemmF2Fn<q4_1::BlockQ4_1>,
     /// [`act16::gemm_q8_0_ref`] on rows packed as [`act16::F2Matrix`].
     pub(crate) gemm_q8_0_act16: GemmF2Fn<BlockQ8_0>,
+    /// [`act16::gemm_q4_k_ref`] on rows packed as [`act16::F2Matrix`].
+    pub(crate) gemm_q4_k_act16: GemmF2Fn<act16::SubQ4K>,
+    /// [`act16::gemm_q6_k_ref`] on rows packed as [`act16::F2Matrix`].
+    pub(crate) gemm_q6_k_act16: GemmF2Fn<act16::SubQ6K>,
     /// [`q4_k::vec_dot_q4_K_q8_K`].
     pub(crate) vec_dot_q4_k_q8_k: fn(&[q4_k::BlockQ4_K], &[BlockQ8_K]) -> f32,
     /// [`q6_k::vec_dot_q6_K_q8_K`].
@@ -200,6 +204,8 @@ pub(crate) static SCALAR: Kernels = Kernels {
     quantize_act16: act16::quantize_row_ref,
     gemm_q4_1_act16: act16::gemm_packed_ref::<q4_1::BlockQ4_1>,
     gemm_q8_0_act16: act16::gemm_packed_ref::<BlockQ8_0>,
+    gemm_q4_k_act16: act16::gemm_packed_ref::<act16::SubQ4K>,
+    gemm_q6_k_act16: act16::gemm_packed_ref::<act16::SubQ6K>,
     vec_dot_q4_k_q8_k: q4_k::vec_dot_q4_K_q8_K,
     vec_dot_q6_k_q8_k: q6_k::vec_dot_q6_K_q8_K,
     dequantize_row_q4_k: q4_k::dequantize_row,

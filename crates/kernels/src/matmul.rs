@@ -4,7 +4,7 @@
 
 use std::cell::RefCell;
 
-use crate::act16::{Act16, F2Matrix};
+use crate::act16::{Act16, F2Kind, F2Matrix, SubQ4K, SubQ6K};
 use crate::pool::ThreadPool;
 use crate::q4_1::BlockQ4_1;
 use crate::q8_0::BlockQ8_0;
@@ -37,19 +37,30 @@ impl<'a> WeightMatrix<'a> {
         })
     }
 
-    /// The layout [`matmul_fast`] runs a Q4_1, Q8_0 or Q5_0 matrix from (order
-    /// F2, [`F2Matrix`]): built once, at load, and attached by [`Self::with_f2`].
-    /// A Q5_0 matrix is laid out as the Q8_0 blocks holding exactly its values
-    /// ([`crate::q5_0::to_q8_0`]), so it runs through the Q8_0 kernels. `None`
-    /// for the other formats, which it runs from `data`.
+    /// The layout [`matmul_fast`] runs a Q4_1, Q8_0, Q5_0, Q4_K or Q6_K matrix
+    /// from (order F2, [`F2Matrix`]): built once, at load, and attached by
+    /// [`Self::with_f2`]. A Q5_0 matrix is laid out as the Q8_0 blocks holding
+    /// exactly its values ([`crate::q5_0::to_q8_0`]), so it runs through the
+    /// Q8_0 kernels; Q4_K and Q6_K as their sub-blocks of 32 with f32 scales
+    /// ([`SubQ4K`], [`SubQ6K`]: 1.33 and 1.52 times their bytes). `None` for
+    /// the other formats, which it runs from `data`.
     pub fn pack_f2(&self) -> Option<F2Matrix> {
         let nb = self.n_in / crate::act16::QK_ACT16;
+        let data = self.data;
         match self.fmt {
-            WeightFormat::Q4_1 => Some(F2Matrix::pack::<BlockQ4_1>(cast_rows(self, self.data), nb)),
-            WeightFormat::Q8_0 => Some(F2Matrix::pack::<BlockQ8_0>(cast_rows(self, self.data), nb)),
+            WeightFormat::Q4_1 => Some(F2Matrix::pack::<BlockQ4_1>(cast_rows(self, data), nb)),
+            WeightFormat::Q8_0 => Some(F2Matrix::pack::<BlockQ8_0>(cast_rows(self, data), nb)),
             WeightFormat::Q5_0 => {
-                let q8 = crate::q5_0::to_q8_0(cast_rows(self, self.data));
-                Some(F2Matrix::pack::<BlockQ8_0>(&q8, nb))
+                let q8 = crate::q5_0::to_q8_0(cast_rows(self, data));
+                Some(F2Matrix::pack(&q8, nb))
+            }
+            WeightFormat::Q4_K => {
+                let sub = SubQ4K::from_q4_k(cast_rows(self, data));
+                Some(F2Matrix::pack(&sub, nb))
+            }
+            WeightFormat::Q6_K => {
+                let sub = SubQ6K::from_q6_k(cast_rows(self, data));
+                Some(F2Matrix::pack(&sub, nb))
             }
             _ => None,
         }
@@ -63,7 +74,7 @@ impl<'a> WeightMatrix<'a> {
         assert!(
             f2.n_rows() == self.n_out
                 && f2.blocks_per_row() * crate::act16::QK_ACT16 == self.n_in
-                && f2.has_min() == (self.fmt == WeightFormat::Q4_1),
+                && Some(f2.kind()) == f2_kind(self.fmt),
             "F2 layout of another matrix"
         );
         WeightMatrix {
@@ -346,26 +357,33 @@ pub fn matmul_fast(
     });
 }
 
-/// Whether [`matmul_fast`] runs `fmt` in order F2 (16-bit activations).
-fn uses_act16(fmt: WeightFormat) -> bool {
-    matches!(
-        fmt,
-        WeightFormat::Q4_1 | WeightFormat::Q8_0 | WeightFormat::Q5_0
-    )
+/// The blocks [`WeightMatrix::pack_f2`] lays `fmt` out as, if it packs it.
+fn f2_kind(fmt: WeightFormat) -> Option<F2Kind> {
+    match fmt {
+        WeightFormat::Q4_1 => Some(F2Kind::Q4_1),
+        WeightFormat::Q8_0 | WeightFormat::Q5_0 => Some(F2Kind::Q8_0),
+        WeightFormat::Q4_K => Some(F2Kind::Q4K),
+        WeightFormat::Q6_K => Some(F2Kind::Q6K),
+        _ => None,
+    }
 }
 
-/// Rows `rows` of a Q4_1, Q8_0 or Q5_0 `w` (with its F2 layout: Q4_1 blocks,
-/// or Q8_0 blocks for the other two) against every token of `acts`.
+/// Whether [`matmul_fast`] runs `fmt` in order F2 (16-bit activations).
+fn uses_act16(fmt: WeightFormat) -> bool {
+    f2_kind(fmt).is_some()
+}
+
+/// Rows `rows` of a matrix `w` that runs in order F2 (with its F2 layout)
+/// against every token of `acts`.
 fn act16_rows(w: &WeightMatrix<'_>, acts: &Act16, rows: std::ops::Range<usize>, out: OutPtr) {
     let Some(f2) = w.f2.filter(|_| !rows.is_empty()) else {
         return;
     };
-    batched_rows(w, acts.rows(), rows.clone(), out, |local| {
-        if f2.has_min() {
-            crate::act16::gemm_q4_1(f2.rows(rows), acts, local)
-        } else {
-            crate::act16::gemm_q8_0(f2.rows(rows), acts, local)
-        }
+    batched_rows(w, acts.rows(), rows.clone(), out, |local| match f2.kind() {
+        F2Kind::Q4_1 => crate::act16::gemm_q4_1(f2.rows(rows), acts, local),
+        F2Kind::Q8_0 => crate::act16::gemm_q8_0(f2.rows(rows), acts, local),
+        F2Kind::Q4K => crate::act16::gemm_q4_k(f2.rows(rows), acts, local),
+        F2Kind::Q6K => crate::act16::gemm_q6_k(f2.rows(rows), acts, local),
     });
 }
 

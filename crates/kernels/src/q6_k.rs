@@ -43,7 +43,7 @@ pub fn blocks(bytes: &[u8]) -> Result<&[BlockQ6_K], KernelError> {
 }
 
 /// The 256 quants of a block minus 32, in element order.
-fn unpack(b: &BlockQ6_K) -> [i32; QK_K] {
+pub(crate) fn unpack(b: &BlockQ6_K) -> [i32; QK_K] {
     let mut a = [0i32; QK_K];
     for h in 0..2 {
         let ql = &b.ql[64 * h..64 * h + 64];

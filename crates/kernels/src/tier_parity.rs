@@ -824,7 +824,15 @@ fn act16_quantization_is_bit_identical_on_every_tier() {
 /// as well as raw quants over the whole i16 range.
 #[test]
 fn act16_products_are_bit_identical_on_every_tier() {
-    use crate::act16::{gemm_q4_1_ref, gemm_q8_0_ref, Act16, F2Matrix};
+    use crate::act16::{
+        gemm_q4_1_ref, gemm_q4_k_ref, gemm_q6_k_ref, gemm_q8_0_ref, Act16, F2Matrix, SubQ4K, SubQ6K,
+    };
+    // A K-quant sub-block's f32 heads: an f16 scale times a 6-bit (Q4_K) or
+    // 8-bit signed (Q6_K) integer, as the conversion forms them.
+    let f32_head = |rng: &mut XorShift, how: Scales, int: fn(u8) -> f32| {
+        let d = crate::f16::fp16_to_fp32(scale(rng, how));
+        (d * int(rng.byte())).to_le_bytes()
+    };
     let mut rng = XorShift::new(172);
     for nb in [1, 2, 7, 8, 9, 18, 48] {
         for (n_rows, n_tok) in [
@@ -860,7 +868,18 @@ fn act16_products_are_bit_identical_on_every_tier() {
                     &rng.vec_uniform(nb * n_tok, -1e-3, 1e-3),
                     &rng.vec_uniform(nb * n_tok, -2.0, 2.0),
                 );
+                let mut w4k: Vec<SubQ4K> = random_blocks(&mut rng, nb * n_rows, 0, how);
+                for b in &mut w4k {
+                    b.d = f32_head(&mut rng, how, |b| f32::from(b % 64));
+                    b.m = f32_head(&mut rng, how, |b| -f32::from(b % 64));
+                }
+                let mut w6k: Vec<SubQ6K> = random_blocks(&mut rng, nb * n_rows, 0, how);
+                for b in &mut w6k {
+                    b.d = f32_head(&mut rng, how, |b| f32::from(b as i8));
+                    b.d2 = f32_head(&mut rng, how, |b| f32::from(b as i8));
+                }
                 let (p4, p8) = (F2Matrix::pack(&w4, nb), F2Matrix::pack(&w8, nb));
+                let (p4k, p6k) = (F2Matrix::pack(&w4k, nb), F2Matrix::pack(&w6k, nb));
                 // All rows, and all but the first (a unit of rows mid-matrix).
                 for first in [0, 1.min(n_rows - 1)] {
                     let rows = n_rows - first;
@@ -869,6 +888,10 @@ fn act16_products_are_bit_identical_on_every_tier() {
                         let mut want8 = vec![0.0; rows * n_tok];
                         gemm_q4_1_ref(&w4[first * nb..], acts, &mut want4);
                         gemm_q8_0_ref(&w8[first * nb..], acts, &mut want8);
+                        let mut want4k = vec![0.0; rows * n_tok];
+                        let mut want6k = vec![0.0; rows * n_tok];
+                        gemm_q4_k_ref(&w4k[first * nb..], acts, &mut want4k);
+                        gemm_q6_k_ref(&w6k[first * nb..], acts, &mut want6k);
                         for k in available_tiers() {
                             let mut got = vec![f32::NAN; rows * n_tok];
                             (k.gemm_q4_1_act16)(p4.rows(first..n_rows), acts, &mut got);
@@ -879,6 +902,10 @@ fn act16_products_are_bit_identical_on_every_tier() {
                             assert_eq!(bits(&got), bits(&want4), "q4_1 {case}");
                             (k.gemm_q8_0_act16)(p8.rows(first..n_rows), acts, &mut got);
                             assert_eq!(bits(&got), bits(&want8), "q8_0 {case}");
+                            (k.gemm_q4_k_act16)(p4k.rows(first..n_rows), acts, &mut got);
+                            assert_eq!(bits(&got), bits(&want4k), "q4_K {case}");
+                            (k.gemm_q6_k_act16)(p6k.rows(first..n_rows), acts, &mut got);
+                            assert_eq!(bits(&got), bits(&want6k), "q6_K {case}");
                         }
                     }
                 }

@@ -25,7 +25,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::act16::{F2Block, F2Rows, CHUNK};
+use crate::act16::{F2Block, F2Rows, SubQ4K, SubQ6K, CHUNK};
 use crate::attn::{exp_ref, Running, EXP_LN2_HI, EXP_LN2_LO, EXP_LOG2E, EXP_MAX, EXP_MIN, EXP_P};
 use crate::f16::fp32_to_fp16;
 use crate::q4_0::BlockQ4_0;
@@ -65,6 +65,8 @@ pub(super) static KERNELS: Kernels = Kernels {
     quantize_act16,
     gemm_q4_1_act16: gemm_act16::<BlockQ4_1>,
     gemm_q8_0_act16: gemm_act16::<BlockQ8_0>,
+    gemm_q4_k_act16: gemm_act16::<SubQ4K>,
+    gemm_q6_k_act16: gemm_act16::<SubQ6K>,
     vec_dot_q4_k_q8_k,
     vec_dot_q6_k_q8_k,
     dequantize_row_q4_k,
@@ -1470,6 +1472,22 @@ impl Block16 for BlockQ8_0 {
     }
 }
 
+impl Block16 for SubQ4K {
+    #[inline(always)]
+    unsafe fn quants16(q: *const u8) -> [__m256i; 2] {
+        // SAFETY: the nibbles are laid out as Q4_1's; the caller's guarantees.
+        unsafe { BlockQ4_1::quants16(q) }
+    }
+}
+
+impl Block16 for SubQ6K {
+    #[inline(always)]
+    unsafe fn quants16(q: *const u8) -> [__m256i; 2] {
+        // SAFETY: signed bytes as Q8_0's; the caller's guarantees.
+        unsafe { BlockQ8_0::quants16(q) }
+    }
+}
+
 /// [`crate::act16::quantize_row_ref`]: the same per-block operations; the block
 /// maximum and the non-finite test reduced across lanes (both are independent of
 /// the order), the quants rounded by `cvtps` (ties to even, as the scalar) and
@@ -1536,20 +1554,28 @@ fn quant_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
     }
 }
 
-/// The `d`s and (with a minimum; zeros otherwise) `m`s of a packed chunk that
-/// starts `chunk`, widened.
+/// The `d`s and the second heads (`m`s with a minimum, `d2`s in a split
+/// block, zeros otherwise) of a packed chunk that starts `chunk`, as f32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn f2_heads<B: F2Block>(chunk: &[u8]) -> (__m256, __m256) {
     let heads = &chunk[..B::HEAD_BYTES];
-    let d: &[u8; 16] = heads[..16].try_into().unwrap();
-    let d = _mm256_cvtph_ps(load_u8x16(d));
-    let m = if B::HAS_MIN {
-        _mm256_cvtph_ps(load_u8x16(heads[16..32].try_into().unwrap()))
+    let head = |k: usize| {
+        let h = &heads[k * CHUNK * B::HEAD_SIZE..];
+        if B::HEAD_F32 {
+            let h: &[u8; 32] = h[..32].try_into().unwrap();
+            // SAFETY: `h` is 32 readable bytes; `loadu` has no alignment requirement.
+            unsafe { _mm256_loadu_ps(h.as_ptr().cast()) }
+        } else {
+            _mm256_cvtph_ps(load_u8x16(h[..16].try_into().unwrap()))
+        }
+    };
+    let second = if B::HEADS > 1 {
+        head(1)
     } else {
         _mm256_setzero_ps()
     };
-    (d, m)
+    (head(0), second)
 }
 
 /// One tile of order F2: `R` packed rows of `nb` blocks (back to back in
@@ -1578,6 +1604,8 @@ fn tile16<B: Block16, const R: usize, const T: usize>(
         }
         let len = (nb - CHUNK * c).min(CHUNK);
         let mut cs = [[[0.0f32; CHUNK]; T]; R];
+        // A split block's second scales, `d2·s`.
+        let mut cs2 = [[[0.0f32; CHUNK]; T]; R];
         let mut quants = [std::ptr::null::<u8>(); R];
         for r in 0..R {
             let chunk = &group[r * row_bytes + c * B::CHUNK_BYTES..]
@@ -1587,6 +1615,9 @@ fn tile16<B: Block16, const R: usize, const T: usize>(
             for t in 0..T {
                 let s = load_f32x8(&toks[t].scale[CHUNK * c..]);
                 store_f32x8(&mut cs[r][t], _mm256_mul_ps(d, s));
+                if B::SPLIT {
+                    store_f32x8(&mut cs2[r][t], _mm256_mul_ps(m, s));
+                }
                 if B::HAS_MIN {
                     let sigma = load_f32x8(&toks[t].sum[CHUNK * c..]);
                     macc[r][t] = _mm256_fmadd_ps(m, sigma, macc[r][t]);
@@ -1615,7 +1646,10 @@ fn tile16<B: Block16, const R: usize, const T: usize>(
                         _mm256_madd_epi16(w[r][0], x0),
                         _mm256_madd_epi16(w[r][1], x1),
                     );
-                    let cb = _mm256_broadcast_ss(&cs[r][t][j]);
+                    let mut cb = _mm256_broadcast_ss(&cs[r][t][j]);
+                    if B::SPLIT {
+                        cb = _mm256_blend_ps::<0xF0>(cb, _mm256_broadcast_ss(&cs2[r][t][j]));
+                    }
                     acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), cb, acc[r][t]);
                 }
             }

@@ -30,6 +30,8 @@ pub(super) static KERNELS: Kernels = Kernels {
     quantize_act16: act16::quantize_act16,
     gemm_q4_1_act16: act16::gemm_act16::<BlockQ4_1>,
     gemm_q8_0_act16: act16::gemm_act16::<BlockQ8_0>,
+    gemm_q4_k_act16: act16::gemm_act16::<crate::act16::SubQ4K>,
+    gemm_q6_k_act16: act16::gemm_act16::<crate::act16::SubQ6K>,
     // Attention, and order F1's tiles.
     attn_group_f32: avx2::attn_group::<f32, attn::Avx512Attn>,
     attn_group_f16: avx2::attn_group::<u16, attn::Avx512Attn>,

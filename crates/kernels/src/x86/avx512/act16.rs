@@ -28,7 +28,7 @@ use std::arch::x86_64::*;
 
 use super::super::avx2::{f2_heads, Prefetch};
 use super::reduce_pairs;
-use crate::act16::{Act16, Act16Row, F2Block, F2Rows, ACT16_MAX, CHUNK, QK_ACT16};
+use crate::act16::{Act16, Act16Row, F2Block, F2Rows, SubQ4K, SubQ6K, ACT16_MAX, CHUNK, QK_ACT16};
 use crate::q4_1::BlockQ4_1;
 use crate::q8_0::BlockQ8_0;
 
@@ -177,6 +177,34 @@ impl Block16x2 for BlockQ8_0 {
     }
 }
 
+impl Block16x2 for SubQ4K {
+    #[inline(always)]
+    unsafe fn quants_dup(q: *const u8) -> [__m512i; 2] {
+        // SAFETY: the nibbles are laid out as Q4_1's; the caller's guarantees.
+        unsafe { BlockQ4_1::quants_dup(q) }
+    }
+
+    #[inline(always)]
+    unsafe fn quants_halves(q0: *const u8, q1: *const u8) -> [__m512i; 2] {
+        // SAFETY: as above.
+        unsafe { BlockQ4_1::quants_halves(q0, q1) }
+    }
+}
+
+impl Block16x2 for SubQ6K {
+    #[inline(always)]
+    unsafe fn quants_dup(q: *const u8) -> [__m512i; 2] {
+        // SAFETY: signed bytes as Q8_0's; the caller's guarantees.
+        unsafe { BlockQ8_0::quants_dup(q) }
+    }
+
+    #[inline(always)]
+    unsafe fn quants_halves(q0: *const u8, q1: *const u8) -> [__m512i; 2] {
+        // SAFETY: as above.
+        unsafe { BlockQ8_0::quants_halves(q0, q1) }
+    }
+}
+
 /// `acc + madd(a, b)` as one `vpdpwssd` (LLVM otherwise splits the intrinsic
 /// into `vpmaddwd` and `vpaddd`).
 #[inline]
@@ -313,6 +341,8 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
     for c in 0..n_chunks {
         let len = (nb - CHUNK * c).min(CHUNK);
         let mut cs = [[_mm512_setzero_ps(); TP]; R];
+        // A split block's second scales, `d2·s`.
+        let mut cs2 = [[_mm512_setzero_ps(); TP]; R];
         for r in 0..R {
             let (d, m) = f2_heads::<B>(&w.bytes[rows[r] * rb + c * B::CHUNK_BYTES..]);
             let d = _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(d));
@@ -320,12 +350,15 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
             for p in 0..TP {
                 let [s, sigma] = scales[p][c];
                 cs[r][p] = _mm512_mul_ps(d, s);
+                if B::SPLIT {
+                    cs2[r][p] = _mm512_mul_ps(m, s);
+                }
                 if B::HAS_MIN {
                     macc[r][p] = _mm512_fmadd_ps(m, sigma, macc[r][p]);
                 }
             }
         }
-        let cs = cs.as_ptr().cast::<f64>();
+        let (cs, cs2) = (cs.as_ptr().cast::<f64>(), cs2.as_ptr().cast::<f64>());
         for j in 0..len {
             let b = CHUNK * c + j;
             let x: [[__m512i; 2]; TP] = std::array::from_fn(|p| acts[p][b]);
@@ -333,11 +366,16 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
                 let [we, wo] = quants[r][b];
                 for p in 0..TP {
                     let sums = dpwssd(_mm512_madd_epi16(we, x[p][0]), wo, x[p][1]);
+                    let at = (r * TP + p) * CHUNK + j;
                     // SAFETY: `cs` holds R·TP vectors of 16 floats, 8 pairs each;
                     // (r·TP + p)·8 + j indexes pair j of vector (r, p).
-                    let cb = _mm512_castpd_ps(_mm512_set1_pd(unsafe {
-                        *cs.add((r * TP + p) * CHUNK + j)
-                    }));
+                    let mut cb = _mm512_castpd_ps(_mm512_set1_pd(unsafe { *cs.add(at) }));
+                    if B::SPLIT {
+                        // Lanes 4..8 of both tokens: the upper eight.
+                        // SAFETY: `cs2` is laid out as `cs`.
+                        let c2 = _mm512_castpd_ps(_mm512_set1_pd(unsafe { *cs2.add(at) }));
+                        cb = _mm512_mask_blend_ps(0xFF00, cb, c2);
+                    }
                     acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), cb, acc[r][p]);
                 }
             }
@@ -400,6 +438,8 @@ fn tile_rows<B: Block16x2, const RP: usize>(
         let len = (nb - CHUNK * c).min(CHUNK);
         let s = both(load8(tok.scale, CHUNK * c));
         let mut cs = [_mm512_setzero_ps(); RP];
+        // A split block's second scales, `d2·s`.
+        let mut cs2 = [_mm512_setzero_ps(); RP];
         let mut quants = [[std::ptr::null::<u8>(); 2]; RP];
         for r in 0..RP {
             let mut heads = [(_mm256_setzero_ps(), _mm256_setzero_ps()); 2];
@@ -416,6 +456,9 @@ fn tile_rows<B: Block16x2, const RP: usize>(
                 ))
             };
             cs[r] = _mm512_mul_ps(pair(heads[0].0, heads[1].0), s);
+            if B::SPLIT {
+                cs2[r] = _mm512_mul_ps(pair(heads[0].1, heads[1].1), s);
+            }
             if B::HAS_MIN {
                 let sigma = both(load8(tok.sum, CHUNK * c));
                 macc[r] = _mm512_fmadd_ps(pair(heads[0].1, heads[1].1), sigma, macc[r]);
@@ -432,7 +475,12 @@ fn tile_rows<B: Block16x2, const RP: usize>(
                 )
             };
             let pick = _mm512_add_epi32(
-                _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8),
+                if B::SPLIT {
+                    // Lanes 4..8 of each row from the second scales (indices 16..).
+                    _mm512_setr_epi32(0, 0, 0, 0, 16, 16, 16, 16, 8, 8, 8, 8, 24, 24, 24, 24)
+                } else {
+                    _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8)
+                },
                 _mm512_set1_epi32(j as i32),
             );
             for r in 0..RP {
@@ -445,7 +493,11 @@ fn tile_rows<B: Block16x2, const RP: usize>(
                     )
                 };
                 let sums = dpwssd(_mm512_madd_epi16(wq[0], xe), wq[1], xo);
-                let cb = _mm512_permutexvar_ps(pick, cs[r]);
+                let cb = if B::SPLIT {
+                    _mm512_permutex2var_ps(cs[r], pick, cs2[r])
+                } else {
+                    _mm512_permutexvar_ps(pick, cs[r])
+                };
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), cb, acc[r]);
             }
         }
