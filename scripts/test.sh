@@ -32,3 +32,12 @@ DS4_BIN="$PWD/target/release/ds4" PYTHONDONTWRITEBYTECODE=1 \
 DS4_BIN="$PWD/target/release/ds4" PYTHONDONTWRITEBYTECODE=1 \
     "$venv/bin/python" tests/redteam/redteam.py --budget 120
 
+# The real agent CLIs end to end (tests/clients/run.py): Claude Code, Codex CLI
+# and opencode at pinned versions, installed from npm into .cache/npm-clients
+# (kept between runs), each run non-interactively against `ds4 serve` in a
+# scratch git repository on a task that needs a tool, with a server restart
+# before the request that brings the tool result back: every request 2xx, a
+# tool call executed by the client and its result sent back, later turns
+# reusing >= 90% of their prompt, the request after the restart restored from
+# disk. About 15-20 minutes here (Claude Code's first prompt is ~20k tokens).
+DS4_BIN="$PWD/target/release/ds4" PYTHONDONTWRITEBYTECODE=1 python3 tests/clients/run.py
