@@ -118,3 +118,76 @@ fn refused_batches_change_nothing(f: &Family) {
 }
 
 for_each_family!(batched_equals_alone, refused_batches_change_nothing);
+
+/// Timing (not a test): batched decode steps of N sessions holding `ctx`
+/// tokens each against N = 1 decoding alone, SmolLM2, 2 threads:
+/// `cargo test --release -p ds4-engine --test batch -- --ignored --nocapture bench_batched_decode`
+/// (BENCH_CTX=16,1024 BENCH_N=1,4 BENCH_STEPS=32 choose the contexts, session
+/// counts and steps per round; the best of three rounds is reported).
+#[test]
+#[ignore]
+fn bench_batched_decode() {
+    let f = &families::SMOLLM2;
+    let p = families::long_prompt(f);
+    let pool = Arc::new(ThreadPool::new(2));
+    let opts = SessionOptions {
+        n_ctx: 4096,
+        prefill_chunk: 256,
+        precision: Precision::Fast,
+        kv_type: KvType::F16,
+    };
+    let ctxs: Vec<usize> = std::env::var("BENCH_CTX")
+        .map(|v| v.split(",").map(|x| x.parse().unwrap()).collect())
+        .unwrap_or(vec![16, 1024, 2048]);
+    for ctx in ctxs {
+        let mut first = Session::new(families::model(f), Arc::clone(&pool), &opts);
+        first.prefill(&p[..ctx.min(p.len())]).unwrap();
+        let snap = first.snapshot().unwrap();
+        let mut alone = 0.0;
+        let ns: Vec<usize> = std::env::var("BENCH_N")
+            .map(|v| v.split(",").map(|x| x.parse().unwrap()).collect())
+            .unwrap_or(vec![1, 2, 4]);
+        for n in ns {
+            let mut sessions: Vec<Session> = (0..n)
+                .map(|_| {
+                    let mut s = Session::new(families::model(f), Arc::clone(&pool), &opts);
+                    s.restore(&snap).unwrap();
+                    s
+                })
+                .collect();
+            let mut batch = Batch::new(families::model(f), Arc::clone(&pool), 8);
+            let steps = std::env::var("BENCH_STEPS")
+                .map(|v| v.parse().unwrap())
+                .unwrap_or(32);
+            let mut best = f64::INFINITY;
+            for _ in 0..3 {
+                let t = std::time::Instant::now();
+                for _ in 0..steps {
+                    let next: Vec<[u32; 1]> = sessions
+                        .iter()
+                        .map(|s| [argmax(s.logits().unwrap())])
+                        .collect();
+                    let mut step: Vec<(&mut Session, &[u32])> = sessions
+                        .iter_mut()
+                        .zip(&next)
+                        .map(|(s, t)| (s, &t[..]))
+                        .collect();
+                    batch.forward(&mut step).unwrap();
+                }
+                best = best.min(t.elapsed().as_secs_f64() / steps as f64);
+                for s in &mut sessions {
+                    s.restore(&snap).unwrap();
+                }
+            }
+            let tps = n as f64 / best;
+            if n == 1 {
+                alone = tps;
+            }
+            eprintln!(
+                "context {ctx}, {n} sessions: {:.2} ms per step, {tps:.1} t/s ({:.2}x one alone)",
+                best * 1e3,
+                tps / alone
+            );
+        }
+    }
+}

@@ -844,6 +844,7 @@ fn act16_products_are_bit_identical_on_every_tier() {
             (5, 3),
             (7, 4),
             (9, 5),
+            (10, 6),
             (6, 7),
             (4, 8),
             (5, 9),

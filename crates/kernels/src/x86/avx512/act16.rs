@@ -412,12 +412,12 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)] // r indexes several arrays at once
-fn tile_rows<B: Block16x2, const RP: usize>(
+fn tile_rows<B: Block16x2, const RP: usize, const T: usize>(
     w: &F2Rows<'_, B>,
     rows: [[usize; 2]; RP],
-    tok: &Act16Row<'_>,
+    toks: [&Act16Row<'_>; T],
     ahead: usize,
-) -> [[f32; 2]; RP] {
+) -> [[[f32; 2]; RP]; T] {
     let (nb, rb) = (w.nb, w.row_bytes());
     let n_chunks = nb.div_ceil(CHUNK);
     // Filled by a loop: as a closure over `rows` LLVM did not inline it (5% of
@@ -428,18 +428,17 @@ fn tile_rows<B: Block16x2, const RP: usize>(
             *p = Prefetch::new(&w.bytes[r * rb..][..rb], ahead, n_chunks);
         }
     }
-    let mut acc = [_mm512_setzero_ps(); RP];
-    let mut macc = [_mm512_setzero_ps(); RP];
+    let mut acc = [[_mm512_setzero_ps(); RP]; T];
+    let mut macc = [[_mm512_setzero_ps(); RP]; T];
     let both = |v: __m512| _mm512_shuffle_f32x4::<0x44>(v, v);
     for c in 0..n_chunks {
         for p in prefetch.as_flattened() {
             p.step(c);
         }
         let len = (nb - CHUNK * c).min(CHUNK);
-        let s = both(load8(tok.scale, CHUNK * c));
-        let mut cs = [_mm512_setzero_ps(); RP];
+        let mut cs = [[_mm512_setzero_ps(); RP]; T];
         // A split block's second scales, `d2·s`.
-        let mut cs2 = [_mm512_setzero_ps(); RP];
+        let mut cs2 = [[_mm512_setzero_ps(); RP]; T];
         let mut quants = [[std::ptr::null::<u8>(); 2]; RP];
         for r in 0..RP {
             let mut heads = [(_mm256_setzero_ps(), _mm256_setzero_ps()); 2];
@@ -455,25 +454,21 @@ fn tile_rows<B: Block16x2, const RP: usize>(
                     _mm256_castps_pd(b),
                 ))
             };
-            cs[r] = _mm512_mul_ps(pair(heads[0].0, heads[1].0), s);
-            if B::SPLIT {
-                cs2[r] = _mm512_mul_ps(pair(heads[0].1, heads[1].1), s);
-            }
-            if B::HAS_MIN {
-                let sigma = both(load8(tok.sum, CHUNK * c));
-                macc[r] = _mm512_fmadd_ps(pair(heads[0].1, heads[1].1), sigma, macc[r]);
+            let (d, second) = (pair(heads[0].0, heads[1].0), pair(heads[0].1, heads[1].1));
+            for t in 0..T {
+                let s = both(load8(toks[t].scale, CHUNK * c));
+                cs[t][r] = _mm512_mul_ps(d, s);
+                if B::SPLIT {
+                    cs2[t][r] = _mm512_mul_ps(second, s);
+                }
+                if B::HAS_MIN {
+                    let sigma = both(load8(toks[t].sum, CHUNK * c));
+                    macc[t][r] = _mm512_fmadd_ps(second, sigma, macc[t][r]);
+                }
             }
         }
         for j in 0..len {
             let b = CHUNK * c + j;
-            let x: &[i16; 32] = tok.q[32 * b..32 * b + 32].try_into().unwrap();
-            // SAFETY: `x` is 64 readable bytes, read as two halves of 32.
-            let (xe, xo) = unsafe {
-                (
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(x.as_ptr().cast())),
-                    _mm512_broadcast_i64x4(_mm256_loadu_si256(x.as_ptr().add(16).cast())),
-                )
-            };
             let pick = _mm512_add_epi32(
                 if B::SPLIT {
                     // Lanes 4..8 of each row from the second scales (indices 16..).
@@ -483,34 +478,82 @@ fn tile_rows<B: Block16x2, const RP: usize>(
                 },
                 _mm512_set1_epi32(j as i32),
             );
+            // Each row pair's quants widened once for the T tokens.
+            let mut wq = [[_mm512_setzero_si512(); 2]; RP];
             for r in 0..RP {
                 // SAFETY: both rows' chunk slices hold `len` blocks' quants after
                 // their heads, and j < len; AVX-512 F/BW are enabled here.
-                let wq = unsafe {
+                wq[r] = unsafe {
                     B::quants_halves(
                         quants[r][0].add(j * B::QUANT_BYTES),
                         quants[r][1].add(j * B::QUANT_BYTES),
                     )
                 };
-                let sums = dpwssd(_mm512_madd_epi16(wq[0], xe), wq[1], xo);
-                let cb = if B::SPLIT {
-                    _mm512_permutex2var_ps(cs[r], pick, cs2[r])
-                } else {
-                    _mm512_permutexvar_ps(pick, cs[r])
+            }
+            for t in 0..T {
+                let x: &[i16; 32] = toks[t].q[32 * b..32 * b + 32].try_into().unwrap();
+                // SAFETY: `x` is 64 readable bytes, read as two halves of 32.
+                let (xe, xo) = unsafe {
+                    (
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(x.as_ptr().cast())),
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(x.as_ptr().add(16).cast())),
+                    )
                 };
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), cb, acc[r]);
+                for r in 0..RP {
+                    let sums = dpwssd(_mm512_madd_epi16(wq[r][0], xe), wq[r][1], xo);
+                    let cb = if B::SPLIT {
+                        _mm512_permutex2var_ps(cs[t][r], pick, cs2[t][r])
+                    } else {
+                        _mm512_permutexvar_ps(pick, cs[t][r])
+                    };
+                    acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), cb, acc[t][r]);
+                }
             }
         }
     }
     if B::HAS_MIN {
-        for (a, m) in acc.iter_mut().zip(macc) {
-            *a = _mm512_add_ps(*a, m);
+        for (a, m) in acc.as_flattened_mut().iter_mut().zip(macc.as_flattened()) {
+            *a = _mm512_add_ps(*a, *m);
         }
     }
-    let mut out = [[0.0f32; 2]; RP];
+    let mut out = [[[0.0f32; 2]; RP]; T];
     // Times 1: exact.
-    reduce_pairs(&acc, 1.0, out.as_flattened_mut());
+    reduce_pairs(
+        acc.as_flattened(),
+        1.0,
+        out.as_flattened_mut().as_flattened_mut(),
+    );
     out
+}
+
+/// One tile of [`gem16`]'s decode walk: its rows (one of each stretch) and
+/// where their results go.
+struct DecodeTile<'a, 'b, B> {
+    w: &'a F2Rows<'b, B>,
+    rows: [[usize; 2]; DECODE_PAIRS],
+    ahead: usize,
+    stretch: usize,
+    i: usize,
+}
+
+impl<B: Block16x2> DecodeTile<'_, '_, B> {
+    /// Tokens `t0..t0 + T` of `toks` against the tile's rows; returns `T`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn tokens<const T: usize>(&self, toks: &[Act16Row<'_>], t0: usize, out: &mut [f32]) -> usize {
+        let n_rows = self.w.n_rows;
+        let group: [&Act16Row<'_>; T] = std::array::from_fn(|t| &toks[t0 + t]);
+        let v = tile_rows::<B, DECODE_PAIRS, T>(self.w, self.rows, group, self.ahead);
+        for (t, v) in v.iter().enumerate() {
+            for (k, v) in v.as_flattened().iter().enumerate() {
+                let r = k * self.stretch + self.i;
+                if r < n_rows {
+                    out[(t0 + t) * n_rows + r] = *v;
+                }
+            }
+        }
+        T
+    }
 }
 
 /// The batched tile of [`gem16`]: [`TILE_ROWS`] rows x [`TILE_PAIRS`] pairs of
@@ -547,11 +590,24 @@ fn stream_stretch(n_rows: usize, row_bytes: usize) -> usize {
         .find(|s| (1024..=3072).contains(&(s * row_bytes % 4096)))
         .unwrap_or(shortest)
 }
-/// Up to this many tokens run the decode tile ([`tile_rows`]) once per token
-/// rather than the batched tiles, whose widening of every panel costs as much
-/// as about six decode tiles (Zen 5, rows of 576 and 1536: 2 tokens 120 -> 40
-/// us, 4 tokens 120 -> 80 us).
-const FEW_TOKENS: usize = 5;
+/// Up to this many tokens run the decode tile ([`tile_rows`]) in groups of
+/// [`decode_group`] tokens rather than the batched tiles, whose widening of
+/// every panel costs as much as about six decode tiles (Zen 5, rows of 576 and
+/// 1536: 2 tokens 120 -> 40 us, 4 tokens 120 -> 80 us).
+const FEW_TOKENS: usize = 8;
+
+/// Tokens of the next decode tile when `left` are still to run: all of them up
+/// to five, else four. A tile widens each row's quants once for its tokens;
+/// Sapphire Rapids, one thread, 576x1536 Q4_1, 4 tokens: 179 us one at a time,
+/// 140 in pairs, 100 as one group (the batched tiles: 275); 5 as one group
+/// 133, as 4 + 1 147.
+fn decode_group(left: usize) -> usize {
+    if left <= 5 {
+        left
+    } else {
+        4
+    }
+}
 /// Packed weight bytes per panel of the batched path (widened to eight times
 /// that for the tiles, in L2): 24-96 KiB measured alike, 16 KiB slower.
 const PANEL_BYTES: usize = 48 * 1024;
@@ -569,24 +625,33 @@ fn gem16<B: Block16x2>(w: F2Rows<'_, B>, acts: &Act16, out: &mut [f32]) {
     }
     let last = n_rows - 1;
     if n_tok <= FEW_TOKENS {
-        // One token, or batched decode's few: each tile of rows against every
-        // token in turn (its quants stay in L1 from one token to the next).
-        // The tile's rows come from DECODE_STREAMS stretches of the rows, one
-        // row of each, so that the reads are that many sequential streams.
+        // One token, or batched decode's few: each tile of rows against the
+        // tokens in groups, the quants widened once per group (and in L1 from
+        // one group to the next). The tile's rows come from DECODE_STREAMS
+        // stretches of the rows, one row of each, so that the reads are that
+        // many sequential streams.
         let toks: Vec<Act16Row<'_>> = (0..n_tok).map(|t| acts.row(t)).collect();
         let stretch = stream_stretch(n_rows, w.row_bytes());
         let ahead = (PREFETCH_BYTES / w.row_bytes()).max(1);
         for i in 0..stretch {
             let row = |k: usize| (k * stretch + i).min(last);
             let rows = std::array::from_fn(|p| [row(2 * p), row(2 * p + 1)]);
-            for (t, tok) in toks.iter().enumerate() {
-                let v = tile_rows::<B, DECODE_PAIRS>(&w, rows, tok, ahead);
-                for (k, v) in v.as_flattened().iter().enumerate() {
-                    let r = k * stretch + i;
-                    if r < n_rows {
-                        out[t * n_rows + r] = *v;
-                    }
-                }
+            let mut t0 = 0;
+            while t0 < n_tok {
+                let walk = DecodeTile {
+                    w: &w,
+                    rows,
+                    ahead,
+                    stretch,
+                    i,
+                };
+                t0 += match decode_group(n_tok - t0) {
+                    1 => walk.tokens::<1>(&toks, t0, out),
+                    2 => walk.tokens::<2>(&toks, t0, out),
+                    3 => walk.tokens::<3>(&toks, t0, out),
+                    4 => walk.tokens::<4>(&toks, t0, out),
+                    _ => walk.tokens::<5>(&toks, t0, out),
+                };
             }
         }
         return;
