@@ -131,7 +131,7 @@ pub fn load(a: &ModelArgs) -> Result<Loaded> {
         &opts,
     )
     .with_context(|| format!("--ctx {}", a.ctx))?;
-    let hp = &model.hparams;
+    let hp = model.hparams();
     eprintln!(
         "loaded {} ({}, {} layers, {} embd, {} vocab) in {:.2} s; ctx {} (trained {}, RoPE scaling {}), {} threads, {} path, {} kernels",
         path.file_name().map_or_else(

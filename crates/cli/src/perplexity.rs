@@ -120,7 +120,7 @@ pub fn run(a: &PerplexityArgs) -> Result<()> {
             .as_ref()
             .map_or_else(|| "bench/pride_and_prejudice.txt".to_string(), |p| p.display().to_string()),
         tokens.len(),
-        model.hparams.n_ctx_train,
+        model.hparams().n_ctx_train,
         session.rope_scaling(),
         crate::generate::precision_name(a.model.precision()),
         a.model.kv_type().name(),

@@ -26,7 +26,7 @@ pub struct Batch {
 impl Batch {
     /// Room for `max_rows` tokens in all per call.
     pub fn new(model: Arc<Model>, pool: Arc<ThreadPool>, max_rows: usize) -> Self {
-        let scratch = model.family.new_scratch(&model.hparams, max_rows.max(1));
+        let scratch = model.family.new_scratch(model.hparams(), max_rows.max(1));
         Batch {
             model,
             pool,
@@ -87,7 +87,7 @@ impl Batch {
             })
             .collect();
         self.model.family.forward(
-            &self.model,
+            &self.model.weights,
             &self.pool,
             precision,
             &mut self.scratch,

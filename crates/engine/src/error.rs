@@ -48,8 +48,8 @@ pub enum EngineError {
     Batch { reason: String },
     #[error("session payload holds {payload} K/V; this session stores {session} (--kv-type)")]
     KvTypeMismatch {
-        payload: crate::session::KvType,
-        session: crate::session::KvType,
+        payload: crate::kv_type::KvType,
+        session: crate::kv_type::KvType,
     },
     #[error("RoPE scaling: {reason}")]
     BadRopeScaling { reason: String },

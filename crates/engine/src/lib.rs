@@ -5,6 +5,7 @@
 
 mod batch;
 mod error;
+mod kv_type;
 mod model;
 mod models;
 pub mod ops;
@@ -14,17 +15,20 @@ pub mod sampler;
 mod session;
 mod state;
 pub mod tokenizer;
+mod weights;
 
 pub use batch::Batch;
 pub use ds4_gguf::{DigestEvent, DigestOptions};
 pub use ds4_kernels::pool::{default_threads, ThreadPool};
 pub use ds4_kernels::{available_kernel_tiers, kernel_tier, requested_kernel_tier};
 pub use error::{EngineError, Result};
-pub use model::{Fingerprint, HParams, Model};
+pub use kv_type::KvType;
+pub use model::{Fingerprint, Model};
 pub use models::supported_architectures;
 pub use ops::Precision;
 pub use payload::{PayloadHeader, PayloadV1Shape, PAYLOAD_MAGIC, PAYLOAD_VERSION};
 pub use rope::{RopeRequest, RopeScaling, RopeScalingType};
 pub use sampler::{Sampler, SamplerConfig};
-pub use session::{KvType, Session, SessionOptions, Snapshot};
+pub use session::{Session, SessionOptions, Snapshot};
 pub use tokenizer::Tokenizer;
+pub use weights::HParams;

@@ -29,7 +29,6 @@
 use std::f64::consts::PI;
 
 use crate::error::{EngineError, Result};
-use crate::model::HParams;
 
 /// YaRN's rotation counts bounding the ramp (llama.cpp's defaults).
 pub const YARN_BETA_FAST: f64 = 32.0;
@@ -254,6 +253,14 @@ pub fn yarn_ramp(low: f64, high: f64, i: usize) -> f64 {
     1.0 - y.clamp(0.0, 1.0)
 }
 
+/// What a model file says of its positions: its declared scaling
+/// ([`RopeScaling::NONE`] if none) and its trained context.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ModelRope {
+    pub file: RopeScaling,
+    pub n_ctx_train: usize,
+}
+
 /// What the operator asked for (`--rope-scaling`, `--rope-scale`); unset fields
 /// follow the model file, then the policy of [`RopeRequest::resolve`].
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -290,17 +297,17 @@ impl RopeRequest {
     ///
     /// A context within the trained one therefore runs unscaled unless asked.
     /// The request must have passed [`validate`](Self::validate).
-    pub fn resolve(&self, hp: &HParams, n_ctx: usize) -> Result<RopeScaling> {
+    pub fn resolve(&self, model: ModelRope, n_ctx: usize) -> Result<RopeScaling> {
         self.validate()?;
-        let file = hp.rope_scaling;
+        let ModelRope { file, n_ctx_train } = model;
         let n_ctx_orig = if file.is_none() {
-            hp.n_ctx_train
+            n_ctx_train
         } else {
             file.n_ctx_orig
         };
         let kind = self.kind.unwrap_or(if !file.is_none() {
             file.kind
-        } else if self.factor.is_some() || n_ctx > hp.n_ctx_train {
+        } else if self.factor.is_some() || n_ctx > n_ctx_train {
             RopeScalingType::Yarn
         } else {
             RopeScalingType::None
@@ -308,7 +315,7 @@ impl RopeRequest {
         let factor = self.factor.unwrap_or(if !file.is_none() {
             file.factor
         } else {
-            (n_ctx as f32 / hp.n_ctx_train as f32).max(1.0)
+            (n_ctx as f32 / n_ctx_train as f32).max(1.0)
         });
         let temperature = self
             .attn_temperature
@@ -319,12 +326,13 @@ impl RopeRequest {
     /// [`resolve`](Self::resolve), refusing a context beyond
     /// [`MAX_AUTO_CTX_MULTIPLE`] times the trained one unless a requested factor
     /// covers it (`factor · n_ctx_orig >= n_ctx`).
-    pub fn resolve_checked(&self, hp: &HParams, n_ctx: usize) -> Result<RopeScaling> {
-        let scaling = self.resolve(hp, n_ctx)?;
-        let auto_max = MAX_AUTO_CTX_MULTIPLE * hp.n_ctx_train;
+    pub fn resolve_checked(&self, model: ModelRope, n_ctx: usize) -> Result<RopeScaling> {
+        let scaling = self.resolve(model, n_ctx)?;
+        let n_ctx_train = model.n_ctx_train;
+        let auto_max = MAX_AUTO_CTX_MULTIPLE * n_ctx_train;
         let covered = self.factor.map_or(0, |f| {
             let orig = if scaling.is_none() {
-                hp.n_ctx_train
+                n_ctx_train
             } else {
                 scaling.n_ctx_orig
             };
@@ -334,7 +342,7 @@ impl RopeRequest {
         if n_ctx > max {
             return Err(EngineError::ContextBeyondRope {
                 n_ctx,
-                n_ctx_train: hp.n_ctx_train,
+                n_ctx_train,
                 max,
             });
         }
@@ -351,22 +359,8 @@ mod tests {
     const BASE: f32 = 100_000.0;
     const ORIG: usize = 8192;
 
-    fn hp(n_ctx_train: usize, file: RopeScaling) -> HParams {
-        HParams {
-            arch: "llama".into(),
-            n_vocab: 10,
-            n_ctx_train,
-            n_embd: 64,
-            n_layer: 1,
-            n_head: 1,
-            n_head_kv: 1,
-            head_dim: 64,
-            n_ff: 64,
-            rms_eps: 1e-5,
-            rope_base: BASE,
-            n_rot: N_ROT,
-            rope_scaling: file,
-        }
+    fn hp(n_ctx_train: usize, file: RopeScaling) -> ModelRope {
+        ModelRope { file, n_ctx_train }
     }
 
     #[test]
@@ -435,21 +429,21 @@ mod tests {
 
     #[test]
     fn the_attention_temperature_follows_the_file_unless_asked() {
-        let stretched = RopeRequest::default().resolve(&hp(8192, RopeScaling::NONE), 32768);
+        let stretched = RopeRequest::default().resolve(hp(8192, RopeScaling::NONE), 32768);
         assert!(!stretched.unwrap().attn_temperature);
         let declared = RopeScaling::new(RopeScalingType::Yarn, 4.0, 8192).unwrap();
-        let tuned = RopeRequest::default().resolve(&hp(32768, declared), 32768);
+        let tuned = RopeRequest::default().resolve(hp(32768, declared), 32768);
         assert!(tuned.unwrap().attn_temperature);
         let asked = RopeRequest {
             attn_temperature: Some(true),
             ..RopeRequest::default()
         };
-        let on = asked.resolve(&hp(8192, RopeScaling::NONE), 32768).unwrap();
+        let on = asked.resolve(hp(8192, RopeScaling::NONE), 32768).unwrap();
         assert!(on.attn_temperature && on.mscale() > 1.0);
         // Only YaRN has one.
         assert!(
             !asked
-                .resolve(&hp(8192, RopeScaling::NONE), 4096)
+                .resolve(hp(8192, RopeScaling::NONE), 4096)
                 .unwrap()
                 .attn_temperature
         );
@@ -460,15 +454,15 @@ mod tests {
         let h = hp(8192, RopeScaling::NONE);
         let auto = RopeRequest::default();
         // Within the trained context: none.
-        assert!(auto.resolve(&h, 8192).unwrap().is_none());
-        assert!(auto.resolve(&h, 100).unwrap().is_none());
+        assert!(auto.resolve(h, 8192).unwrap().is_none());
+        assert!(auto.resolve(h, 100).unwrap().is_none());
         // Beyond it: YaRN, factor n_ctx / n_ctx_train, original context 8192.
-        let s = auto.resolve(&h, 32768).unwrap();
+        let s = auto.resolve(h, 32768).unwrap();
         assert_eq!(
             (s.kind, s.factor, s.n_ctx_orig),
             (RopeScalingType::Yarn, 4.0, 8192)
         );
-        let s = auto.resolve(&h, 21000).unwrap();
+        let s = auto.resolve(h, 21000).unwrap();
         assert_eq!(s.factor, 21000.0 / 8192.0);
         // Explicit method, auto factor; explicit factor, auto (YaRN) method.
         let lin = RopeRequest {
@@ -476,14 +470,14 @@ mod tests {
             factor: None,
             attn_temperature: None,
         };
-        let s = lin.resolve(&h, 16384).unwrap();
+        let s = lin.resolve(h, 16384).unwrap();
         assert_eq!((s.kind, s.factor), (RopeScalingType::Linear, 2.0));
         let f3 = RopeRequest {
             kind: None,
             factor: Some(3.0),
             attn_temperature: None,
         };
-        let s = f3.resolve(&h, 1024).unwrap();
+        let s = f3.resolve(h, 1024).unwrap();
         assert_eq!((s.kind, s.factor), (RopeScalingType::Yarn, 3.0));
         // Explicit none beyond the trained context is honoured.
         let none = RopeRequest {
@@ -491,7 +485,7 @@ mod tests {
             factor: None,
             attn_temperature: None,
         };
-        assert!(none.resolve_checked(&h, 32768).unwrap().is_none());
+        assert!(none.resolve_checked(h, 32768).unwrap().is_none());
         // A factor with none is refused.
         let bad = RopeRequest {
             kind: Some(RopeScalingType::None),
@@ -500,8 +494,8 @@ mod tests {
         };
         assert!(bad.validate().is_err());
         // The bound: 4x the trained context, further only with a covering factor.
-        assert!(auto.resolve_checked(&h, 32768).is_ok());
-        let e = auto.resolve_checked(&h, 32769).unwrap_err().to_string();
+        assert!(auto.resolve_checked(h, 32768).is_ok());
+        let e = auto.resolve_checked(h, 32769).unwrap_err().to_string();
         assert!(
             e.contains("32769") && e.contains("32768") && e.contains("8192"),
             "{e}"
@@ -511,11 +505,11 @@ mod tests {
             factor: Some(8.0),
             attn_temperature: None,
         };
-        assert!(f8.resolve_checked(&h, 65536).is_ok());
-        assert!(f8.resolve_checked(&h, 65537).is_err());
+        assert!(f8.resolve_checked(h, 65536).is_ok());
+        assert!(f8.resolve_checked(h, 65537).is_err());
         // A file's own scaling is used as given.
         let file = RopeScaling::new(RopeScalingType::Linear, 4.0, 2048).unwrap();
-        let s = auto.resolve(&hp(8192, file), 100).unwrap();
+        let s = auto.resolve(hp(8192, file), 100).unwrap();
         assert_eq!(s, file);
     }
 

@@ -9,87 +9,13 @@ use std::sync::Arc;
 use ds4_kernels::pool::ThreadPool;
 
 use crate::error::{EngineError, Result};
+use crate::kv_type::KvType;
 use crate::model::Model;
 use crate::models::{LogitsOut, Scratch, SeqStep};
 use crate::ops::Precision;
 use crate::payload::{self, PayloadHeader, PAYLOAD_VERSION};
 use crate::rope::RopeScaling;
 use crate::state::{Codec, CodecMut, SeqState};
-
-/// How K and V rows are stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum KvType {
-    /// f32: exactly what the projections computed.
-    #[default]
-    F32,
-    /// IEEE binary16, rounded to nearest even when stored: half the memory, half the
-    /// attention reads and half the checkpoint size.
-    F16,
-}
-
-impl KvType {
-    pub fn name(self) -> &'static str {
-        match self {
-            KvType::F32 => "f32",
-            KvType::F16 => "f16",
-        }
-    }
-
-    /// Bytes per stored element.
-    pub fn bytes(self) -> usize {
-        match self {
-            KvType::F32 => 4,
-            KvType::F16 => 2,
-        }
-    }
-
-    /// The fingerprint checkpoints of a session of this K/V type on `model` are
-    /// filed under ([`Session::state_fingerprint`]).
-    pub fn state_fingerprint(self, model: &crate::Fingerprint) -> [u8; 16] {
-        match self {
-            KvType::F32 => model.model,
-            KvType::F16 => {
-                let mut h = xxhash_rust::xxh3::Xxh3::new();
-                h.update(&model.model);
-                h.update(b"ds4 kv-type f16");
-                h.digest128().to_le_bytes()
-            }
-        }
-    }
-
-    /// The payload's code for it.
-    pub(crate) fn code(self) -> u32 {
-        match self {
-            KvType::F32 => 0,
-            KvType::F16 => 1,
-        }
-    }
-
-    pub(crate) fn from_code(c: u32) -> Option<Self> {
-        match c {
-            0 => Some(KvType::F32),
-            1 => Some(KvType::F16),
-            _ => None,
-        }
-    }
-}
-
-impl std::fmt::Display for KvType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for KvType {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "f32" => Ok(KvType::F32),
-            "f16" => Ok(KvType::F16),
-            _ => Err(format!("K/V type {s:?}: expected f32 or f16")),
-        }
-    }
-}
 
 /// Creation options of a [`Session`].
 #[derive(Clone, Debug)]
@@ -144,7 +70,7 @@ impl Session {
         // session runs unscaled rather than failing.
         let scaling = model
             .rope_request()
-            .resolve(&model.hparams, n_ctx)
+            .resolve(model.model_rope(), n_ctx)
             .unwrap_or(RopeScaling::NONE);
         Self::with_scaling(model, pool, opts, scaling)
     }
@@ -166,7 +92,7 @@ impl Session {
         opts: &SessionOptions,
         scaling: RopeScaling,
     ) -> Self {
-        let hp = &model.hparams;
+        let hp = model.hparams();
         let n_ctx = opts.n_ctx.max(1);
         let chunk = opts.prefill_chunk.clamp(1, n_ctx);
         Session {
@@ -294,7 +220,7 @@ impl Session {
     }
 
     pub(crate) fn check_prefill(&self, tokens: &[u32]) -> Result<()> {
-        let n_vocab = self.model.hparams.n_vocab;
+        let n_vocab = self.model.hparams().n_vocab;
         if let Some(&id) = tokens.iter().find(|&&id| id as usize >= n_vocab) {
             return Err(EngineError::TokenOutOfRange { id, n_vocab });
         }
@@ -318,7 +244,7 @@ impl Session {
         mut each: impl FnMut(usize, &[f32]),
     ) -> Result<()> {
         self.check_prefill(tokens)?;
-        let n_vocab = self.model.hparams.n_vocab;
+        let n_vocab = self.model.hparams().n_vocab;
         let mut done = 0;
         for chunk in tokens.chunks(self.scratch.max_rows()) {
             self.run_chunk(chunk, true);
@@ -339,7 +265,7 @@ impl Session {
     fn run_chunk(&mut self, chunk: &[u32], all_logits: bool) {
         let logits = if all_logits {
             self.chunk_logits
-                .resize(chunk.len() * self.model.hparams.n_vocab, 0.0);
+                .resize(chunk.len() * self.model.hparams().n_vocab, 0.0);
             LogitsOut::All(&mut self.chunk_logits)
         } else {
             LogitsOut::Last(&mut self.logits)
@@ -351,7 +277,7 @@ impl Session {
             logits,
         }];
         self.model.family.forward(
-            &self.model,
+            &self.model.weights,
             &self.pool,
             self.precision,
             &mut self.scratch,
@@ -436,7 +362,7 @@ impl Session {
 
     /// Exact size of [`save_payload`](Self::save_payload)'s output.
     pub fn payload_bytes(&self) -> u64 {
-        let n_vocab = self.model.hparams.n_vocab;
+        let n_vocab = self.model.hparams().n_vocab;
         match self.state.codec() {
             Codec::Container(part) => {
                 PayloadHeader::BYTES
@@ -465,7 +391,7 @@ impl Session {
         let header = PayloadHeader {
             version: PAYLOAD_VERSION,
             family: self.model.family.entry().payload_id,
-            n_vocab: self.model.hparams.n_vocab as u32,
+            n_vocab: self.model.hparams().n_vocab as u32,
             n_ctx: self.n_ctx() as u32,
             n_tokens: self.tokens.len() as u32,
             v1: None,
@@ -499,7 +425,7 @@ impl Session {
         }
         let h = PayloadHeader::read(r)?;
         let entry = self.model.family.entry();
-        let hp = &self.model.hparams;
+        let hp = self.model.hparams();
         if h.family != entry.payload_id {
             return Err(payload::bad(format!(
                 "family {} in the payload; this model is {} ({})",

@@ -78,7 +78,7 @@ fn run(prompt: &str, precision: Precision) -> Run {
     let pos = f32s(&format!("{prompt}.pos_logits.f32"));
     let gen = f32s(&format!("{prompt}.gen_logits.f32"));
     let m = model();
-    let nv = m.hparams.n_vocab;
+    let nv = m.hparams().n_vocab;
     let pool = Arc::new(ThreadPool::new(2));
     let opts = SessionOptions {
         n_ctx: 4096,
@@ -185,7 +185,7 @@ fn reference_session_loads_and_continues() {
     let m = meta(prompt);
     let greedy = ids(&m["greedy_tokens"]);
     let gen = f32s(&format!("{prompt}.gen_logits.f32"));
-    let nv = model().hparams.n_vocab;
+    let nv = model().hparams().n_vocab;
     let mut s = session(Precision::Exact);
     let bytes = std::fs::read(strict(&format!("{prompt}.session.bin"))).unwrap();
     s.load_payload(&mut bytes.as_slice()).unwrap();

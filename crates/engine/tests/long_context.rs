@@ -18,7 +18,7 @@ fn yarn_session_prefills_past_the_trained_context() {
     let model = Arc::new(
         Model::load(ds4_testdata::model_path(ds4_testdata::SMOLLM2)).expect("loading SmolLM2"),
     );
-    assert_eq!(model.hparams.n_ctx_train, 8192);
+    assert_eq!(model.hparams().n_ctx_train, 8192);
     let tokens = model.tokenizer.encode(BOOK, false, false);
     let (n, scored) = (9000, 256);
     assert!(tokens.len() > n);

@@ -378,25 +378,25 @@ fn rope_scaling_keys_are_read_from_the_file() {
     ])
     .unwrap();
     assert_eq!(
-        m.hparams.rope_scaling,
+        m.hparams().rope_scaling,
         RopeScaling::new(RopeScalingType::Yarn, 4.0, 64).unwrap()
     );
     // Without a request, sessions of any size run the file's scaling, with
     // YaRN's attention temperature (the model was made for it).
     assert_eq!(
         m.rope_scaling_for(16).unwrap(),
-        m.hparams.rope_scaling.with_attn_temperature(true),
+        m.hparams().rope_scaling.with_attn_temperature(true),
         "the file's scaling applies within the trained context too"
     );
     let m = with_keys(vec![("llama.rope.scale_linear", Value::F32(2.0))]).unwrap();
-    assert_eq!(m.hparams.rope_scaling.kind, RopeScalingType::Linear);
-    assert_eq!(m.hparams.rope_scaling.n_ctx_orig, 256);
+    assert_eq!(m.hparams().rope_scaling.kind, RopeScalingType::Linear);
+    assert_eq!(m.hparams().rope_scaling.n_ctx_orig, 256);
     let m = with_keys(vec![(
         "llama.rope.scaling.type",
         Value::String("none".into()),
     )])
     .unwrap();
-    assert!(m.hparams.rope_scaling.is_none());
+    assert!(m.hparams().rope_scaling.is_none());
     let e = with_keys(vec![(
         "llama.rope.scaling.type",
         Value::String("longrope".into()),
@@ -420,7 +420,7 @@ fn rope_scaling_keys_are_read_from_the_file() {
         "{e}"
     );
     // The tiny model itself declares nothing.
-    assert!(tiny().hparams.rope_scaling.is_none());
+    assert!(tiny().hparams().rope_scaling.is_none());
 }
 
 /// Within the trained context (256 here) a session runs unscaled whatever its

@@ -227,7 +227,7 @@ fn damaged_payloads_are_rejected_and_leave_the_session_empty(f: &Family) {
         );
     };
     // Header (28 bytes), tokens, logits, then the state's descriptor.
-    let n_vocab = families::model(f).hparams.n_vocab;
+    let n_vocab = families::model(f).hparams().n_vocab;
     let state = 28 + 4 * 40 + 4 * n_vocab;
     for cut in [
         0,
@@ -295,7 +295,7 @@ fn f16_payloads_round_trip_and_do_not_load_into_f32_sessions(f: &Family) {
     fs.prefill(&p[..t]).unwrap();
     let mut fb = Vec::new();
     fs.save_payload(&mut fb).unwrap();
-    let hp = &model.hparams;
+    let hp = model.hparams();
     let [l, kvh, hd, vocab, t] =
         [hp.n_layer, hp.n_head_kv, hp.head_dim, hp.n_vocab, t].map(|x| x as u64);
     let fixed = 28 + 4 * t + 4 * vocab + 4 * (3 + 4 * l);

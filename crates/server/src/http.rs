@@ -151,7 +151,7 @@ async fn health(State(st): State<Arc<AppState>>) -> Json<Value> {
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
-    let hp = &st.model.hparams;
+    let hp = st.model.hparams();
     Json(json!({
         "object": "list",
         "data": [{

@@ -57,10 +57,10 @@ use ds4_kernels::QK_K;
 
 use super::{state_of, Bound, Family, FamilyEntry, LogitsOut, Scratch, SeqStep};
 use crate::error::{EngineError, Result};
-use crate::model::{Binder, HParams, Model};
+use crate::kv_type::KvType;
 use crate::ops::Precision;
-use crate::session::KvType;
 use crate::state::{CompLayer, CompressedSpec, CompressedState, SeqState};
+use crate::weights::{Binder, HParams, Weights};
 
 pub(crate) const ENTRY: FamilyEntry = FamilyEntry {
     name: "deepseek4",
@@ -893,7 +893,7 @@ impl Family for DeepSeek4 {
 
     fn forward(
         &self,
-        model: &Model,
+        model: &Weights,
         pool: &ThreadPool,
         _precision: Precision,
         scratch: &mut Scratch,

@@ -29,11 +29,11 @@ use ds4_kernels::pool::ThreadPool;
 use super::transformer::{self, embed, output_head, CoreLayer, Head, Pass, Rows};
 use super::{Bound, Family, FamilyEntry, Scratch, SeqStep};
 use crate::error::{EngineError, Result};
-use crate::model::{Binder, HParams, Model};
+use crate::kv_type::KvType;
 use crate::ops::{geglu, Precision, Rope};
 use crate::rope::RopeScaling;
-use crate::session::KvType;
 use crate::state::{KvLayerSpec, KvState, SeqState};
+use crate::weights::{Binder, HParams, Weights};
 
 pub(crate) const ENTRY: FamilyEntry = FamilyEntry {
     name: "gemma3",
@@ -164,7 +164,7 @@ impl Family for Gemma3 {
 
     fn forward(
         &self,
-        model: &Model,
+        model: &Weights,
         pool: &ThreadPool,
         precision: Precision,
         scratch: &mut Scratch,

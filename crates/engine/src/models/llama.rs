@@ -15,10 +15,10 @@ use ds4_kernels::pool::ThreadPool;
 use super::transformer::{self, embed, output_head, CoreLayer, Head, Pass, Rows};
 use super::{Bound, Family, FamilyEntry, Scratch, SeqStep};
 use crate::error::Result;
-use crate::model::{Binder, HParams, Model};
+use crate::kv_type::KvType;
 use crate::ops::{swiglu, Precision, Rope};
-use crate::session::KvType;
 use crate::state::{KvLayerSpec, KvState, SeqState};
+use crate::weights::{Binder, HParams, Weights};
 
 pub(crate) const ENTRY: FamilyEntry = FamilyEntry {
     name: "llama",
@@ -78,7 +78,7 @@ impl Family for LlamaWeights {
 
     fn forward(
         &self,
-        model: &Model,
+        model: &Weights,
         pool: &ThreadPool,
         precision: Precision,
         scratch: &mut Scratch,

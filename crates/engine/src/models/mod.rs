@@ -19,11 +19,11 @@ use ds4_kernels::act16::F2Matrix;
 use ds4_kernels::pool::ThreadPool;
 
 use crate::error::{EngineError, Result};
-use crate::model::{HParams, Model};
+use crate::kv_type::KvType;
 use crate::ops::Precision;
 use crate::rope::RopeScaling;
-use crate::session::KvType;
 use crate::state::SeqState;
+use crate::weights::{HParams, Weights};
 
 /// What binding a family gives: its weights and forward pass, and the fast
 /// path's packed copies its tensors index.
@@ -89,7 +89,7 @@ pub(crate) trait Family: Send + Sync {
     /// what it gets run alone.
     fn forward(
         &self,
-        model: &Model,
+        model: &Weights,
         pool: &ThreadPool,
         precision: Precision,
         scratch: &mut Scratch,

@@ -15,13 +15,13 @@ use ds4_kernels::pool::ThreadPool;
 
 use super::{state_of, LogitsOut, SeqStep};
 use crate::error::Result;
-use crate::model::{Binder, HParams, Model, TensorRef};
 use crate::ops::{
     add_rows, attention, project, rms_norm, rms_norm_rows, rms_norm_rows_inplace, Activations,
     Precision, Rope,
 };
 use crate::rope::RopeScaling;
 use crate::state::{KvState, LayerRows, SeqState};
+use crate::weights::{Binder, HParams, TensorRef, Weights};
 
 /// Named intermediates for `max_rows` token rows.
 pub(crate) struct Rows {
@@ -189,7 +189,7 @@ pub(crate) type RotateFn = fn(&mut [f32], usize, &[(f32, f32)]);
 /// The steps of a decoder layer, over the `nt` rows of one forward call: what
 /// the families compose their layers from.
 pub(crate) struct Pass<'a> {
-    pub model: &'a Model,
+    pub model: &'a Weights,
     pub pool: &'a ThreadPool,
     pub precision: Precision,
     /// Rows (tokens of every sequence) in this call.
@@ -199,7 +199,7 @@ pub(crate) struct Pass<'a> {
 impl<'a> Pass<'a> {
     /// A pass over every row of `seqs`.
     pub fn new(
-        model: &'a Model,
+        model: &'a Weights,
         pool: &'a ThreadPool,
         precision: Precision,
         seqs: &[SeqStep<'_>],

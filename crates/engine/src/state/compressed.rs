@@ -40,8 +40,8 @@ use std::io::{Read, Write};
 
 use super::{Codec, CodecMut, OwnPayload, SeqState};
 use crate::error::{EngineError, Result};
+use crate::kv_type::KvType;
 use crate::payload::{self, bad};
-use crate::session::KvType;
 
 /// `0x34565344`, "DSV4" in little-endian bytes.
 const DSV4_MAGIC: u32 = 0x3456_5344;

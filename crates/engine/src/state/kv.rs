@@ -32,9 +32,9 @@ use ds4_kernels::attn::AsF32Rows;
 
 use super::{Codec, CodecMut, SeqState, StatePart};
 use crate::error::{EngineError, Result};
+use crate::kv_type::KvType;
 use crate::ops::{AttnLayout, ATTN_TILE};
 use crate::payload::{self, bad};
-use crate::session::KvType;
 
 /// The state kind a K/V payload records.
 const KIND_KV: u32 = 1;

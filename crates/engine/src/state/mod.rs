@@ -27,7 +27,7 @@ pub(crate) use compressed::{CompLayer, CompressedSpec, CompressedState};
 pub(crate) use kv::{store_rows, KvLayerSpec, KvState, LayerRows};
 
 use crate::error::Result;
-use crate::session::KvType;
+use crate::kv_type::KvType;
 
 /// One sequence's state. Positions `0..len()` have been run through it.
 pub(crate) trait SeqState: Send {
