@@ -152,11 +152,13 @@ pub(crate) struct Kernels {
     pub(crate) dots_f16x8_serial: DotsF16x8Fn,
     /// [`serial::dots8_serial_ref`].
     pub(crate) dots8_serial: Dots8Fn,
+    /// [`serial::axpy_ref`].
+    pub(crate) axpy: fn(f32, &[f32], &mut [f32]),
 }
 
 /// The signature of [`serial::dot_q8_0x8_f32s_ref`].
 #[doc(hidden)]
-pub type DotQ8_0x8Fn = fn(&[u8], &[&[i8]], &[&[f32]], &mut [[f32; serial::LANES]]);
+pub type DotQ8_0x8Fn = fn(&[u8], &[serial::Q8Row<'_>], &mut [[f32; serial::LANES]]);
 
 /// The signature of [`serial::dots_f16x8_serial_ref`].
 #[doc(hidden)]
@@ -220,6 +222,7 @@ pub(crate) static SCALAR: Kernels = Kernels {
     dot_q8_0x8_f32s: serial::dot_q8_0x8_f32s_ref,
     dots_f16x8_serial: serial::dots_f16x8_serial_ref,
     dots8_serial: serial::dots8_serial_ref,
+    axpy: serial::axpy_ref,
 };
 
 /// [`q2_k::vec_dot_q2_K_q8_K`] by the selected tier.

@@ -37,11 +37,13 @@ pub const LANES: usize = 8;
 pub const Q8_0X8_BLOCK: usize = LANES * 2 + LANES * QK8_0;
 
 /// Rows of activations rounded to Q8_0 blocks with f32 scales
-/// ([`q8_0::quantize_row_f32_scales`]), back to back.
+/// ([`q8_0::quantize_row_f32_scales`]), back to back, with each block's sum of
+/// quants (the offset correction of the integer kernels, see [`Q8_0x8`]).
 #[derive(Clone, Debug, Default)]
 pub struct Q8Acts {
     pub qs: Vec<i8>,
     pub d: Vec<f32>,
+    pub sums: Vec<i32>,
 }
 
 impl Q8Acts {
@@ -55,19 +57,51 @@ impl Q8Acts {
         self.qs.resize(x.len(), 0);
         self.d.resize(x.len() / QK8_0, 0.0);
         q8_0::quantize_row_f32_scales(x, &mut self.qs, &mut self.d);
+        self.sums.clear();
+        self.sums.extend(
+            self.qs
+                .chunks_exact(QK8_0)
+                .map(|b| b.iter().map(|&q| i32::from(q)).sum::<i32>()),
+        );
+    }
+
+    /// Values `at..at + n` (whole blocks) of the rows.
+    pub fn row(&self, at: usize, n: usize) -> Q8Row<'_> {
+        let b = at / QK8_0..(at + n) / QK8_0;
+        Q8Row {
+            qs: &self.qs[at..at + n],
+            d: &self.d[b.clone()],
+            sums: &self.sums[b],
+        }
     }
 }
 
+/// One activation row of [`Q8Acts`]: its quants, block scales and block sums.
+#[derive(Clone, Copy, Debug)]
+pub struct Q8Row<'a> {
+    pub qs: &'a [i8],
+    pub d: &'a [f32],
+    pub sums: &'a [i32],
+}
+
 /// Q8_0 rows regrouped by eight: per group (the last padded with zero rows),
-/// per block `b`, the eight rows' f16 scales of block `b`, then their eight
-/// blocks of quants. Same bytes as the rows, streamed in the order the
-/// lanes-over-rows kernel reads them.
+/// per block `b`, the eight rows' f16 scales of block `b`, then their quants
+/// as four slices of eight (bytes `8k..8k + 8` of rows 0..8 for `k` in 0..4),
+/// each stored offset by 128 (`q ^ 0x80`, the unsigned byte `q + 128`). Four
+/// 64-byte loads then hold a block of all eight rows, two 4-byte groups per
+/// row side by side, so `vpdpbusd` (unsigned times signed) against the
+/// activations' bytes `8k..8k + 8` broadcast leaves each row's integer sums in
+/// its own lanes (minus `128·Σx`, known per activation block); the AVX2 kernel
+/// undoes the offset once per block for all the tokens it carries.
 #[derive(Clone, Debug)]
 pub struct Q8_0x8 {
     data: Vec<u8>,
     n_rows: usize,
     nb: usize,
 }
+
+/// Quant bytes of one row in one slice of a [`Q8_0x8`] block.
+pub const Q8_0X8_SLICE: usize = 8;
 
 impl Q8_0x8 {
     /// Regroups `n_rows` rows of `nb` blocks.
@@ -79,13 +113,21 @@ impl Q8_0x8 {
         let n_rows = rows.len() / nb;
         let groups = n_rows.div_ceil(LANES);
         let mut data = vec![0u8; groups * nb * Q8_0X8_BLOCK];
+        // Padding rows are zero quants: 0x80 offset.
+        for blk in data.chunks_exact_mut(Q8_0X8_BLOCK) {
+            blk[2 * LANES..].fill(0x80);
+        }
         for (r, row) in rows.chunks_exact(nb).enumerate() {
             let (g, l) = (r / LANES, r % LANES);
             for (b, blk) in row.iter().enumerate() {
                 let at = (g * nb + b) * Q8_0X8_BLOCK;
                 data[at + 2 * l..at + 2 * l + 2].copy_from_slice(&blk.d);
-                let q = at + 2 * LANES + QK8_0 * l;
-                data[q..q + QK8_0].copy_from_slice(bytemuck::cast_slice(&blk.qs));
+                for (k, q) in blk.qs.chunks_exact(Q8_0X8_SLICE).enumerate() {
+                    let to = at + 2 * LANES + (k * LANES + l) * Q8_0X8_SLICE;
+                    for (o, &q) in data[to..to + Q8_0X8_SLICE].iter_mut().zip(q) {
+                        *o = q as u8 ^ 0x80;
+                    }
+                }
             }
         }
         Q8_0x8 { data, n_rows, nb }
@@ -112,30 +154,57 @@ impl Q8_0x8 {
     }
 }
 
-/// Lane `l` of a [`Q8_0x8`] group against up to four activation rows
-/// (`qs[j]`, `d[j]`), each lane [`q8_0::vec_dot_q8_0_f32_scales`] of row `l`:
-/// the scalar reference of the tier kernel.
-pub fn dot_q8_0x8_f32s_ref(group: &[u8], qs: &[&[i8]], d: &[&[f32]], out: &mut [[f32; LANES]]) {
-    for ((qs, d), out) in qs.iter().zip(d).zip(out.iter_mut()) {
-        let nb = d.len();
+/// Row `l` of a [`Q8_0x8`] group block, as the GGUF block it was packed from.
+pub fn q8_0x8_row_block(blk: &[u8], l: usize) -> BlockQ8_0 {
+    BlockQ8_0 {
+        d: [blk[2 * l], blk[2 * l + 1]],
+        qs: std::array::from_fn(|i| {
+            let (k, j) = (i / Q8_0X8_SLICE, i % Q8_0X8_SLICE);
+            (blk[2 * LANES + (k * LANES + l) * Q8_0X8_SLICE + j] ^ 0x80) as i8
+        }),
+    }
+}
+
+/// Lane `l` of a [`Q8_0x8`] group against up to four activation rows, each
+/// lane [`q8_0::vec_dot_q8_0_f32_scales`] of row `l`: the scalar reference of
+/// the tier kernel.
+pub fn dot_q8_0x8_f32s_ref(group: &[u8], x: &[Q8Row<'_>], out: &mut [[f32; LANES]]) {
+    for (x, out) in x.iter().zip(out.iter_mut()) {
+        let nb = x.d.len();
         assert!(
-            group.len() == nb * Q8_0X8_BLOCK && qs.len() == nb * QK8_0,
+            group.len() == nb * Q8_0X8_BLOCK && x.qs.len() == nb * QK8_0 && x.sums.len() == nb,
             "dot_q8_0x8_f32s lengths"
         );
         for (l, o) in out.iter_mut().enumerate() {
             let row: Vec<BlockQ8_0> = group
                 .chunks_exact(Q8_0X8_BLOCK)
-                .map(|blk| {
-                    let q = &blk[2 * LANES + QK8_0 * l..2 * LANES + QK8_0 * (l + 1)];
-                    BlockQ8_0 {
-                        d: [blk[2 * l], blk[2 * l + 1]],
-                        qs: std::array::from_fn(|i| q[i] as i8),
-                    }
-                })
+                .map(|blk| q8_0x8_row_block(blk, l))
                 .collect();
-            *o = q8_0::vec_dot_q8_0_f32_scales(&row, qs, d);
+            *o = q8_0::vec_dot_q8_0_f32_scales(&row, x.qs, x.d);
         }
     }
+}
+
+/// `out[i] += w·x[i]` for every `i` (a rounded multiply, then a rounded add):
+/// one step of a weighted sum of rows (attention's values), each element its
+/// own serial sum.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn axpy_ref(w: f32, x: &[f32], out: &mut [f32]) {
+    assert_eq!(x.len(), out.len(), "axpy lengths");
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o += w * v;
+    }
+}
+
+/// [`axpy_ref`] by the selected tier.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn axpy(w: f32, x: &[f32], out: &mut [f32]) {
+    assert_eq!(x.len(), out.len(), "axpy lengths");
+    (kernels().axpy)(w, x, out)
 }
 
 /// F16 rows regrouped by eight: per group (the last padded with zero rows),
@@ -280,14 +349,10 @@ pub fn matmul_q8_0_f32s(
             for t0 in (0..n_tok).step_by(4) {
                 let tn = (n_tok - t0).min(4);
                 let at = |t: usize| t * row_len + col;
-                let qs: Vec<&[i8]> = (t0..t0 + tn)
-                    .map(|t| &acts.qs[at(t)..at(t) + n_in])
-                    .collect();
-                let d: Vec<&[f32]> = (t0..t0 + tn)
-                    .map(|t| &acts.d[at(t) / QK8_0..(at(t) + n_in) / QK8_0])
-                    .collect();
+                let x: [Q8Row<'_>; 4] =
+                    std::array::from_fn(|j| acts.row(at(t0 + j.min(tn - 1)), n_in));
                 let mut v = [[0.0f32; LANES]; 4];
-                dot(wg, &qs, &d, &mut v[..tn]);
+                dot(wg, &x[..tn], &mut v[..tn]);
                 for (j, v) in v[..tn].iter().enumerate() {
                     for (l, &x) in v.iter().enumerate().take(n_out - g) {
                         // SAFETY: rows g..g+8 of each token are written by this unit

@@ -1584,28 +1584,27 @@ fn deepseek4_serial_sums_are_bit_identical_on_every_tier() {
         for n_rows in [8, 13] {
             let rows: Vec<BlockQ8_0> = random_blocks(&mut rng, n_rows * nb, 1, Scales::AnyFinite);
             let packed = Q8_0x8::pack(&rows, nb);
-            let acts: Vec<(Vec<i8>, Vec<f32>)> = (0..4)
+            let acts: Vec<crate::serial::Q8Acts> = (0..4)
                 .map(|_| {
-                    let x = activations(&mut rng, nb * QK8_0);
-                    let (mut qs, mut d) = (vec![0i8; nb * QK8_0], vec![0.0f32; nb]);
-                    q8_0::quantize_row_f32_scales(&x, &mut qs, &mut d);
-                    (qs, d)
+                    let mut a = crate::serial::Q8Acts::default();
+                    a.quantize(&activations(&mut rng, nb * QK8_0));
+                    a
                 })
                 .collect();
             for k in available_tiers() {
                 for n in 1..=4 {
-                    let qs: Vec<&[i8]> = acts[..n].iter().map(|a| &a.0[..]).collect();
-                    let d: Vec<&[f32]> = acts[..n].iter().map(|a| &a.1[..]).collect();
+                    let x: Vec<crate::serial::Q8Row<'_>> =
+                        acts[..n].iter().map(|a| a.row(0, nb * QK8_0)).collect();
                     for g in 0..n_rows.div_ceil(LANES) {
                         let mut got = vec![[f32::NAN; LANES]; n];
-                        (k.dot_q8_0x8_f32s)(packed.group(g), &qs, &d, &mut got);
+                        (k.dot_q8_0x8_f32s)(packed.group(g), &x, &mut got);
                         for (j, got) in got.iter().enumerate() {
                             for (l, &v) in got.iter().enumerate().take(n_rows - 8 * g) {
                                 let r = 8 * g + l;
                                 let want = q8_0::vec_dot_q8_0_f32_scales(
                                     &rows[r * nb..(r + 1) * nb],
-                                    qs[j],
-                                    d[j],
+                                    x[j].qs,
+                                    x[j].d,
                                 );
                                 assert!(
                                     same_bits(v, want),
@@ -1652,6 +1651,12 @@ fn deepseek4_serial_sums_are_bit_identical_on_every_tier() {
                     assert_eq!(bits(g), bits(w), "dots8 [{}] n {n} chains {chains}", k.tier);
                 }
             }
+            let w = rng.uniform(-2.0, 2.0);
+            let mut got = xs[1].clone();
+            (k.axpy)(w, &xs[0], &mut got);
+            let mut want = xs[1].clone();
+            crate::serial::axpy_ref(w, &xs[0], &mut want);
+            assert_eq!(bits(&got), bits(&want), "axpy [{}] n {n}", k.tier);
         }
     }
 }

@@ -50,8 +50,8 @@ use ds4_kernels::q8_0::QK8_0;
 use ds4_kernels::q8_k::{self, BlockQ8_K};
 use ds4_kernels::qat;
 use ds4_kernels::serial::{
-    dots8_serial, matmul_experts, matmul_experts_iq2_xxs, matmul_f16_serial, matmul_q8_0_f32s,
-    F16x8, Q8Acts, Q8_0x8, LANES,
+    axpy, dots8_serial, matmul_experts, matmul_experts_iq2_xxs, matmul_f16_serial,
+    matmul_q8_0_f32s, F16x8, Q8Acts, Q8_0x8, LANES,
 };
 use ds4_kernels::QK_K;
 
@@ -1465,20 +1465,24 @@ impl DeepSeek4 {
                 }
             }
         }
-        for (h, out) in out.chunks_exact_mut(hd).enumerate() {
-            let sink = sinks[h];
-            let max = scores
+        // Per head: the max over the sink and the scores, then the weights
+        // and values in row order (rows outer, so each value row is read once
+        // for the eight heads; every head's sums keep their order).
+        let max: [f32; LANES] = std::array::from_fn(|h| {
+            scores
                 .chunks_exact(LANES)
-                .fold(sink, |m, s| if s[h] > m { s[h] } else { m });
-            out.fill(0.0);
-            let mut denom = (sink - max).exp();
-            for (k, s) in rows.iter().zip(scores.chunks_exact(LANES)) {
-                let w = (s[h] - max).exp();
-                denom += w;
-                for (o, &v) in out.iter_mut().zip(k.iter()) {
-                    *o += w * v;
-                }
+                .fold(sinks[h], |m, s| if s[h] > m { s[h] } else { m })
+        });
+        let mut denom: [f32; LANES] = std::array::from_fn(|h| (sinks[h] - max[h]).exp());
+        out.fill(0.0);
+        for (k, s) in rows.iter().zip(scores.chunks_exact(LANES)) {
+            for (h, out) in out.chunks_exact_mut(hd).enumerate() {
+                let w = (s[h] - max[h]).exp();
+                denom[h] += w;
+                axpy(w, k, out);
             }
+        }
+        for (out, denom) in out.chunks_exact_mut(hd).zip(denom) {
             let inv = 1.0 / denom;
             out.iter_mut().for_each(|o| *o *= inv);
         }

@@ -81,6 +81,7 @@ pub(super) static KERNELS: Kernels = Kernels {
     dot_q8_0x8_f32s,
     dots_f16x8_serial,
     dots8_serial,
+    axpy,
 };
 
 pub(super) fn vec_dot_q2_k_q8_k(x: &[crate::q2_k::BlockQ2_K], y: &[BlockQ8_K]) -> f32 {
@@ -104,26 +105,34 @@ pub(super) fn dot_iq2_decoded_q8_k(x: &crate::iq2_xxs::Iq2Decoded, y: &[BlockQ8_
     unsafe { kquants::dot_iq2_decoded_q8_k(x, y) }
 }
 
-pub(super) fn dot_q8_0x8_f32s(
-    group: &[u8],
-    qs: &[&[i8]],
-    d: &[&[f32]],
-    out: &mut [[f32; crate::serial::LANES]],
-) {
+/// The length checks of [`crate::serial::dot_q8_0x8_f32s_ref`] (and at most
+/// four activation rows), shared with the AVX-512 entry.
+pub(super) fn check_q8_0x8(group: &[u8], x: &[crate::serial::Q8Row<'_>], out_len: usize) {
     let nb = group.len() / crate::serial::Q8_0X8_BLOCK;
     assert!(
-        qs.len() <= 4
-            && d.len() == qs.len()
-            && out.len() == qs.len()
+        x.len() <= 4
+            && out_len == x.len()
             && group.len() == nb * crate::serial::Q8_0X8_BLOCK
-            && qs
-                .iter()
-                .zip(d)
-                .all(|(q, d)| q.len() == nb * QK8_0 && d.len() == nb),
+            && x.iter()
+                .all(|x| x.qs.len() == nb * QK8_0 && x.d.len() == nb && x.sums.len() == nb),
         "dot_q8_0x8_f32s lengths"
     );
+}
+
+pub(super) fn dot_q8_0x8_f32s(
+    group: &[u8],
+    x: &[crate::serial::Q8Row<'_>],
+    out: &mut [[f32; crate::serial::LANES]],
+) {
+    check_q8_0x8(group, x, out.len());
     // SAFETY: see above.
-    unsafe { serial::dot_q8_0x8_f32s(group, qs, d, out) }
+    unsafe { serial::dot_q8_0x8_f32s(group, x, out) }
+}
+
+pub(super) fn axpy(w: f32, x: &[f32], out: &mut [f32]) {
+    assert_eq!(x.len(), out.len(), "axpy lengths");
+    // SAFETY: see above.
+    unsafe { serial::axpy(w, x, out) }
 }
 
 pub(super) fn dots_f16x8_serial(

@@ -22,6 +22,7 @@ mod act16;
 mod attn;
 mod fast;
 mod q8;
+mod serial;
 
 /// The AVX-512 tier.
 pub(super) static KERNELS: Kernels = Kernels {
@@ -71,12 +72,15 @@ pub(super) static KERNELS: Kernels = Kernels {
     dequantize_row_f16: avx2::dequantize_row_f16,
     dequantize_row_bf16: avx2::dequantize_row_bf16,
     quantize_row_q8_0: avx2::quantize_row_q8_0,
-    // The AVX2 tier's: the deepseek4 products, whose serial per-row sums (the
-    // reference engine's order) leave nothing for wider registers to split.
+    // The deepseek4 products: the Q8_0 rows' exact block sums by VNNI, and
+    // the element-wise weighted sums sixteen wide.
+    dot_q8_0x8_f32s: serial::dot_q8_0x8_f32s,
+    axpy: serial::axpy,
+    // The AVX2 tier's: the other deepseek4 products, whose serial per-row sums
+    // (the reference engine's order) leave nothing for wider registers to split.
     vec_dot_q2_k_q8_k: avx2::vec_dot_q2_k_q8_k,
     vec_dot_iq2_xxs_q8_k: avx2::vec_dot_iq2_xxs_q8_k,
     dot_iq2_decoded_q8_k: avx2::dot_iq2_decoded_q8_k,
-    dot_q8_0x8_f32s: avx2::dot_q8_0x8_f32s,
     dots_f16x8_serial: avx2::dots_f16x8_serial,
     dots8_serial: avx2::dots8_serial,
 };

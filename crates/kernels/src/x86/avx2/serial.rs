@@ -6,9 +6,9 @@
 
 use std::arch::x86_64::*;
 
-use super::{hsum_8x8, load_f32x8, store_f32x8};
+use super::{load_f32x8, store_f32x8};
 use crate::q8_0::QK8_0;
-use crate::serial::{LANES, Q8_0X8_BLOCK};
+use crate::serial::{Q8Row, LANES, Q8_0X8_BLOCK};
 
 /// Loads 32 bytes.
 #[inline]
@@ -28,38 +28,44 @@ fn load_f16x8<T: bytemuck::Pod>(h: &[T]) -> __m256 {
     _mm256_cvtph_ps(unsafe { _mm_loadu_si128(b.as_ptr().cast()) })
 }
 
-/// [`crate::serial::dot_q8_0x8_f32s_ref`] for `N` activation rows: per
-/// block, each weight vector is loaded once for the `N` rows; per row the
-/// eight rows' exact integer sums (`maddubs` of `|w|` against the
-/// activations signed by `w`: |w| <= 128 and |x| <= 127 never saturate),
-/// then per lane `acc += (d_w·d_x)·isum`.
+/// [`crate::serial::dot_q8_0x8_f32s_ref`] for `N` activation rows. Per
+/// block the group's quants are made signed again and their absolute values
+/// taken once for the `N` rows (four registers of two slices: rows `4h..4h+4`
+/// of slice `k`, eight bytes each); per row and slice the activations' eight
+/// bytes are broadcast, and `maddubs` of `|w|` against them signed by `w`
+/// (|w| <= 128 and |x| <= 127 never saturate) leaves each row's two 4-byte
+/// sums in its own pair of lanes. Folding the pairs gives the eight rows'
+/// exact integer sums; then per lane `acc += (d_w·d_x)·isum`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn dot_q8_0x8_n<const N: usize>(
-    group: &[u8],
-    qs: &[&[i8]],
-    d: &[&[f32]],
-    out: &mut [[f32; LANES]],
-) {
+fn dot_q8_0x8_n<const N: usize>(group: &[u8], x: &[Q8Row<'_>], out: &mut [[f32; LANES]]) {
     let ones = _mm256_set1_epi16(1);
+    let offset = _mm256_set1_epi8(0x80u8 as i8);
     let mut acc = [_mm256_setzero_ps(); N];
     for (b, blk) in group.chunks_exact(Q8_0X8_BLOCK).enumerate() {
         let scales = load_f16x8(&blk[..2 * LANES]);
-        let a: [__m256i; N] = std::array::from_fn(|j| {
-            load32(bytemuck::cast_slice(&qs[j][b * QK8_0..(b + 1) * QK8_0]))
-        });
-        let mut p = [[_mm256_setzero_si256(); LANES]; N];
-        for l in 0..LANES {
-            let w = load32(&blk[2 * LANES + QK8_0 * l..]);
-            let aw = _mm256_sign_epi8(w, w);
-            for j in 0..N {
-                let prod = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(a[j], w));
-                p[j][l] = _mm256_madd_epi16(prod, ones);
-            }
-        }
+        let w: [__m256i; 8] =
+            std::array::from_fn(|i| _mm256_xor_si256(load32(&blk[2 * LANES + 32 * i..]), offset));
+        let aw: [__m256i; 8] = std::array::from_fn(|i| _mm256_sign_epi8(w[i], w[i]));
         for j in 0..N {
-            let isum = _mm256_cvtepi32_ps(hsum_8x8(&p[j]));
-            let t = _mm256_mul_ps(_mm256_mul_ps(scales, _mm256_set1_ps(d[j][b])), isum);
+            let q: &[u8] = bytemuck::cast_slice(&x[j].qs[b * QK8_0..(b + 1) * QK8_0]);
+            let mut s = [_mm256_setzero_si256(); 2];
+            for k in 0..4 {
+                let xb =
+                    _mm256_set1_epi64x(i64::from_le_bytes(q[8 * k..8 * k + 8].try_into().unwrap()));
+                for (h, s) in s.iter_mut().enumerate() {
+                    let i = 2 * k + h;
+                    let p = _mm256_maddubs_epi16(aw[i], _mm256_sign_epi8(xb, w[i]));
+                    *s = _mm256_add_epi32(*s, _mm256_madd_epi16(p, ones));
+                }
+            }
+            // Lanes 2r and 2r + 1 of s[h] are row 4h + r's two sums: fold them
+            // into the even lanes, then gather rows 0..8 in order.
+            let f = s.map(|s| _mm256_castsi256_ps(_mm256_add_epi32(s, _mm256_srli_epi64::<32>(s))));
+            // Per 128-bit lane: rows (0, 1, 4, 5), then (2, 3, 6, 7).
+            let m = _mm256_castps_si256(_mm256_shuffle_ps::<0x88>(f[0], f[1]));
+            let isum = _mm256_cvtepi32_ps(_mm256_permute4x64_epi64::<0xD8>(m));
+            let t = _mm256_mul_ps(_mm256_mul_ps(scales, _mm256_set1_ps(x[j].d[b])), isum);
             acc[j] = _mm256_add_ps(acc[j], t);
         }
     }
@@ -69,14 +75,30 @@ fn dot_q8_0x8_n<const N: usize>(
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dot_q8_0x8_f32s(group: &[u8], qs: &[&[i8]], d: &[&[f32]], out: &mut [[f32; LANES]]) {
-    match qs.len() {
-        1 => dot_q8_0x8_n::<1>(group, qs, d, out),
-        2 => dot_q8_0x8_n::<2>(group, qs, d, out),
-        3 => dot_q8_0x8_n::<3>(group, qs, d, out),
-        4 => dot_q8_0x8_n::<4>(group, qs, d, out),
+pub(super) fn dot_q8_0x8_f32s(group: &[u8], x: &[Q8Row<'_>], out: &mut [[f32; LANES]]) {
+    match x.len() {
+        1 => dot_q8_0x8_n::<1>(group, x, out),
+        2 => dot_q8_0x8_n::<2>(group, x, out),
+        3 => dot_q8_0x8_n::<3>(group, x, out),
+        4 => dot_q8_0x8_n::<4>(group, x, out),
         _ => {}
     }
+}
+
+/// [`crate::serial::axpy_ref`]: eight elements at a time, the same multiply
+/// and add per element.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn axpy(w: f32, x: &[f32], out: &mut [f32]) {
+    let wv = _mm256_set1_ps(w);
+    let n8 = x.len() / LANES * LANES;
+    for (o, v) in out[..n8]
+        .chunks_exact_mut(LANES)
+        .zip(x[..n8].chunks_exact(LANES))
+    {
+        let r = _mm256_add_ps(load_f32x8(o), _mm256_mul_ps(wv, load_f32x8(v)));
+        store_f32x8(o, r);
+    }
+    crate::serial::axpy_ref(w, &x[n8..], &mut out[n8..]);
 }
 
 /// [`crate::serial::dots_f16x8_serial_ref`] with `N` chains.
