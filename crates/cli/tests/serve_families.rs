@@ -3,7 +3,8 @@
 //! template are refused clearly, checkpoints of its ring state come back across
 //! a restart and continue as the uninterrupted session, a prompt that diverges
 //! further back than the window is answered as a cold run, and checkpoints never
-//! cross families.
+//! cross families. On the third (the tiny DeepSeek V4 model) the compressed
+//! state's checkpoints come back across a restart the same way.
 
 mod common;
 
@@ -136,5 +137,43 @@ fn gemma3_ring_checkpoints_restore_across_a_restart_and_never_cross_families() {
     let (_, src, _) = complete(srv.port, &smol_prompt, 2);
     assert!(src.starts_with("none"), "{src}");
     drop(srv);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// The compressed state (raw ring, compressed and indexer rows, compressor
+/// frontiers) of a 1,500-token prompt and its answer, saved at the turn's
+/// end, comes back from disk after a restart and continues exactly as a
+/// server that never stopped.
+#[test]
+fn deepseek4_compressed_checkpoints_restore_across_a_restart() {
+    let dir = temp_dir("deepseek4");
+    let kv = dir.join("kv");
+    let m = ds4_testdata::tiny_ds4::tiny_ds4_path()
+        .display()
+        .to_string();
+    let args = [&["-m", m.as_str()][..], &kv_flags(&kv)[..]].concat();
+    let text =
+        std::fs::read_to_string(ds4_testdata::vectors_dir("ds4-tiny").join("long.txt")).unwrap();
+    let srv = Server::start(&args);
+    let (answer, src, _) = complete(srv.port, &text, 8);
+    assert!(src.starts_with("none"), "{src}");
+    let log = srv.stop();
+    assert!(log.contains("reason=turn-end"), "{log}");
+
+    let turn2 = format!("{text}{answer} And then");
+    let srv = Server::start(&args);
+    let (after, src, reused) = complete(srv.port, &turn2, 8);
+    assert!(
+        src.starts_with("disk-text") && reused > 1400,
+        "{src} {reused}"
+    );
+    drop(srv);
+
+    let fresh = Server::start(&["-m", &m, "--no-kv-disk"]);
+    assert_eq!(complete(fresh.port, &text, 8).0, answer);
+    let (want, src, _) = complete(fresh.port, &turn2, 8);
+    assert!(src.starts_with("memory"), "{src}");
+    assert_eq!(after, want, "restart changed the output");
+    drop(fresh);
     std::fs::remove_dir_all(dir).unwrap();
 }

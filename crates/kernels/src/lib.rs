@@ -146,23 +146,33 @@ pub(crate) struct Kernels {
     pub(crate) vec_dot_iq2_xxs_q8_k: fn(&[iq2_xxs::BlockIQ2_XXS], &[BlockQ8_K]) -> f32,
     /// [`iq2_xxs::dot_decoded_q8_K_ref`].
     pub(crate) dot_iq2_decoded_q8_k: fn(&iq2_xxs::Iq2Decoded, &[BlockQ8_K]) -> f32,
-    /// [`serial::dot_q8_0x8_f32s_ref`].
-    pub(crate) dot_q8_0x8_f32s: DotQ8_0x8Fn,
+    /// [`serial::dot_q8_0x16_f32s_ref`].
+    pub(crate) dot_q8_0x16_f32s: DotQ8_0x16Fn,
     /// [`serial::dots_f16x8_serial_ref`].
     pub(crate) dots_f16x8_serial: DotsF16x8Fn,
     /// [`serial::dots8_serial_ref`].
     pub(crate) dots8_serial: Dots8Fn,
-    /// [`serial::axpy_ref`].
-    pub(crate) axpy: fn(f32, &[f32], &mut [f32]),
+    /// [`serial::dots16_serial_ref`].
+    pub(crate) dots16_serial: Dots16Fn,
+    /// [`serial::wsum16_serial_ref`].
+    pub(crate) wsum16_serial: Wsum16Fn,
 }
 
-/// The signature of [`serial::dot_q8_0x8_f32s_ref`].
+/// The signature of [`serial::dots16_serial_ref`].
 #[doc(hidden)]
-pub type DotQ8_0x8Fn = fn(&[u8], &[serial::Q8Row<'_>], &mut [[f32; serial::LANES]]);
+pub type Dots16Fn = fn(&[f32], &[&[f32]], &mut [[f32; serial::HEADS]]);
+
+/// The signature of [`serial::wsum16_serial_ref`].
+#[doc(hidden)]
+pub type Wsum16Fn = fn(&[[f32; serial::HEADS]], &[&[f32]], &mut [f32]);
+
+/// The signature of [`serial::dot_q8_0x16_f32s_ref`].
+#[doc(hidden)]
+pub type DotQ8_0x16Fn = fn(&[u8], &[serial::Q8Row<'_>], &mut [[f32; serial::Q8_ROWS]]);
 
 /// The signature of [`serial::dots_f16x8_serial_ref`].
 #[doc(hidden)]
-pub type DotsF16x8Fn = fn(&[&[u16]], &[&[f32]], &mut [[f32; serial::LANES]]);
+pub type DotsF16x8Fn = fn(&[u16], &[&[f32]], &mut [[f32; serial::LANES]]);
 
 /// The signature of [`serial::dots8_serial_ref`].
 #[doc(hidden)]
@@ -219,11 +229,19 @@ pub(crate) static SCALAR: Kernels = Kernels {
     vec_dot_q2_k_q8_k: q2_k::vec_dot_q2_K_q8_K,
     vec_dot_iq2_xxs_q8_k: iq2_xxs::vec_dot_iq2_xxs_q8_K,
     dot_iq2_decoded_q8_k: iq2_xxs::dot_decoded_q8_K_ref,
-    dot_q8_0x8_f32s: serial::dot_q8_0x8_f32s_ref,
+    dot_q8_0x16_f32s: serial::dot_q8_0x16_f32s_ref,
     dots_f16x8_serial: serial::dots_f16x8_serial_ref,
     dots8_serial: serial::dots8_serial_ref,
-    axpy: serial::axpy_ref,
+    dots16_serial: dots16_serial_checked_ref,
+    wsum16_serial: serial::wsum16_serial_ref,
 };
+
+/// The scalar table's [`serial::dots16_serial`]: the reference after the
+/// tiers' shape checks.
+fn dots16_serial_checked_ref(a: &[f32], b: &[&[f32]], out: &mut [[f32; serial::HEADS]]) {
+    serial::check_dots16(a, b, out.len());
+    serial::dots16_serial_ref(a, b, out)
+}
 
 /// [`q2_k::vec_dot_q2_K_q8_K`] by the selected tier.
 pub fn vec_dot_q2_k_q8_k(x: &[q2_k::BlockQ2_K], y: &[BlockQ8_K]) -> f32 {

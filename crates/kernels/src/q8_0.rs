@@ -108,16 +108,28 @@ pub fn quantize_row_f32_scales(x: &[f32], qs: &mut [i8], d: &mut [f32]) {
         "q8_0 quantize_row_f32_scales lengths"
     );
     for ((x, q), d) in x.chunks_exact(QK8_0).zip(qs.chunks_exact_mut(QK8_0)).zip(d) {
-        let amax = x
-            .iter()
-            .fold(0.0f32, |m, v| if v.abs() > m { v.abs() } else { m });
-        *d = amax / 127.0;
-        let id = if *d != 0.0 { 1.0 / *d } else { 0.0 };
-        for (q, &v) in q.iter_mut().zip(x) {
-            // |v·id| <= 127 (plus rounding) for finite inputs, well within
-            // `nearest_int`'s range; ties to even, like `lrintf`.
-            *q = crate::nearest_int(v * id).clamp(-128, 127) as i8;
-        }
+        *d = f32_scale(x);
+        quantize_block_f32_scale(x, *d, q);
+    }
+}
+
+/// The f32 scale [`quantize_row_f32_scales`] gives one block: its largest
+/// magnitude over 127.
+pub fn f32_scale(x: &[f32]) -> f32 {
+    let amax = x
+        .iter()
+        .fold(0.0f32, |m, v| if v.abs() > m { v.abs() } else { m });
+    amax / 127.0
+}
+
+/// One block's quants at scale `d` ([`f32_scale`]), as in
+/// [`quantize_row_f32_scales`].
+pub fn quantize_block_f32_scale(x: &[f32], d: f32, q: &mut [i8]) {
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    for (q, &v) in q.iter_mut().zip(x) {
+        // |v·id| <= 127 (plus rounding) for finite inputs, well within
+        // `nearest_int`'s range; ties to even, like `lrintf`.
+        *q = crate::nearest_int(v * id).clamp(-128, 127) as i8;
     }
 }
 

@@ -1578,16 +1578,17 @@ fn deepseek4_expert_dots_are_bit_identical_on_every_tier() {
 #[test]
 fn deepseek4_serial_sums_are_bit_identical_on_every_tier() {
     use crate::f16::{dot_f16_serial, fp32_to_fp16};
-    use crate::serial::{F16x8, Q8_0x8, LANES};
+    use crate::serial::{F16x8, Q8_0x16, LANES, Q8_ROWS};
     let mut rng = XorShift::new(192);
     for nb in [1, 2, 5, 32] {
-        for n_rows in [8, 13] {
+        for n_rows in [8, 16, 29] {
             let rows: Vec<BlockQ8_0> = random_blocks(&mut rng, n_rows * nb, 1, Scales::AnyFinite);
-            let packed = Q8_0x8::pack(&rows, nb);
+            let packed = Q8_0x16::pack(&rows, nb);
+            let one = crate::pool::ThreadPool::new(1);
             let acts: Vec<crate::serial::Q8Acts> = (0..4)
                 .map(|_| {
                     let mut a = crate::serial::Q8Acts::default();
-                    a.quantize(&activations(&mut rng, nb * QK8_0));
+                    a.quantize(&one, &activations(&mut rng, nb * QK8_0));
                     a
                 })
                 .collect();
@@ -1595,12 +1596,12 @@ fn deepseek4_serial_sums_are_bit_identical_on_every_tier() {
                 for n in 1..=4 {
                     let x: Vec<crate::serial::Q8Row<'_>> =
                         acts[..n].iter().map(|a| a.row(0, nb * QK8_0)).collect();
-                    for g in 0..n_rows.div_ceil(LANES) {
-                        let mut got = vec![[f32::NAN; LANES]; n];
-                        (k.dot_q8_0x8_f32s)(packed.group(g), &x, &mut got);
+                    for g in 0..n_rows.div_ceil(Q8_ROWS) {
+                        let mut got = vec![[f32::NAN; Q8_ROWS]; n];
+                        (k.dot_q8_0x16_f32s)(packed.group(g), &x, &mut got);
                         for (j, got) in got.iter().enumerate() {
-                            for (l, &v) in got.iter().enumerate().take(n_rows - 8 * g) {
-                                let r = 8 * g + l;
+                            for (l, &v) in got.iter().enumerate().take(n_rows - Q8_ROWS * g) {
+                                let r = Q8_ROWS * g + l;
                                 let want = q8_0::vec_dot_q8_0_f32_scales(
                                     &rows[r * nb..(r + 1) * nb],
                                     x[j].qs,
@@ -1608,7 +1609,7 @@ fn deepseek4_serial_sums_are_bit_identical_on_every_tier() {
                                 );
                                 assert!(
                                     same_bits(v, want),
-                                    "q8_0x8 [{}] nb {nb} row {r} act {j}",
+                                    "q8_0x16 [{}] nb {nb} row {r} act {j}",
                                     k.tier
                                 );
                             }
@@ -1623,14 +1624,14 @@ fn deepseek4_serial_sums_are_bit_identical_on_every_tier() {
             .flat_map(|_| fp32_to_fp16(rng.uniform(-2.0, 2.0)))
             .collect();
         let packed = F16x8::pack(&rows, n);
-        let xs: Vec<Vec<f32>> = (0..4).map(|_| activations(&mut rng, n)).collect();
+        let xs: Vec<Vec<f32>> = (0..8).map(|_| activations(&mut rng, n)).collect();
         let a = activations(&mut rng, LANES * n);
         for k in available_tiers() {
-            for chains in 1..=4 {
+            for chains in 1..=8 {
                 let x: Vec<&[f32]> = xs[..chains].iter().map(|v| &v[..]).collect();
                 for g in 0..2 {
                     let mut got = vec![[f32::NAN; LANES]; chains];
-                    (k.dots_f16x8_serial)(&vec![packed.group(g); chains], &x, &mut got);
+                    (k.dots_f16x8_serial)(packed.group(g), &x, &mut got);
                     for (j, got) in got.iter().enumerate() {
                         for (l, &v) in got.iter().enumerate().take(13 - 8 * g) {
                             let r = 8 * g + l;
@@ -1643,6 +1644,9 @@ fn deepseek4_serial_sums_are_bit_identical_on_every_tier() {
                         }
                     }
                 }
+                if chains > 4 {
+                    continue;
+                }
                 let mut got = vec![[f32::NAN; LANES]; chains];
                 (k.dots8_serial)(&a, &x, &mut got);
                 let mut want = vec![[0.0; LANES]; chains];
@@ -1651,12 +1655,37 @@ fn deepseek4_serial_sums_are_bit_identical_on_every_tier() {
                     assert_eq!(bits(g), bits(w), "dots8 [{}] n {n} chains {chains}", k.tier);
                 }
             }
-            let w = rng.uniform(-2.0, 2.0);
-            let mut got = xs[1].clone();
-            (k.axpy)(w, &xs[0], &mut got);
-            let mut want = xs[1].clone();
-            crate::serial::axpy_ref(w, &xs[0], &mut want);
-            assert_eq!(bits(&got), bits(&want), "axpy [{}] n {n}", k.tier);
+            // Sixteen heads: scores against up to eight rows, then the
+            // weighted sums of those rows.
+            let a16 = activations(&mut rng, crate::serial::HEADS * n);
+            for chains in 1..=crate::serial::DOTS16_CHAINS {
+                let x: Vec<&[f32]> = xs[..chains].iter().map(|v| &v[..]).collect();
+                let mut got = vec![[f32::NAN; crate::serial::HEADS]; chains];
+                (k.dots16_serial)(&a16, &x, &mut got);
+                let mut want = vec![[0.0; crate::serial::HEADS]; chains];
+                crate::serial::dots16_serial_ref(&a16, &x, &mut want);
+                for (g, w) in got.iter().zip(&want) {
+                    assert_eq!(
+                        bits(g),
+                        bits(w),
+                        "dots16 [{}] n {n} chains {chains}",
+                        k.tier
+                    );
+                }
+                let w: Vec<[f32; crate::serial::HEADS]> = (0..chains)
+                    .map(|_| std::array::from_fn(|_| rng.uniform(0.0, 1.0)))
+                    .collect();
+                let mut got = vec![f32::NAN; crate::serial::HEADS * n];
+                (k.wsum16_serial)(&w, &x, &mut got);
+                let mut want = vec![0.0; crate::serial::HEADS * n];
+                crate::serial::wsum16_serial_ref(&w, &x, &mut want);
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "wsum16 [{}] n {n} rows {chains}",
+                    k.tier
+                );
+            }
         }
     }
 }

@@ -50,8 +50,8 @@ use ds4_kernels::q8_0::QK8_0;
 use ds4_kernels::q8_k::{self, BlockQ8_K};
 use ds4_kernels::qat;
 use ds4_kernels::serial::{
-    axpy, dots8_serial, matmul_experts, matmul_experts_iq2_xxs, matmul_f16_serial,
-    matmul_q8_0_f32s, F16x8, Q8Acts, Q8_0x8, LANES,
+    dots16_serial, dots8_serial, matmul_experts, matmul_experts_iq2_xxs, matmul_f16_serial,
+    matmul_q8_0_f32s, wsum16_serial, F16x8, Q8Acts, Q8_0x16, DOTS16_CHAINS, HEADS, LANES,
 };
 use ds4_kernels::QK_K;
 
@@ -229,10 +229,10 @@ impl Dims {
             "hash layers within the model, a window and a top-k".into(),
         )?;
         need(
-            self.n_head.is_multiple_of(LANES) && self.n_index_head.is_multiple_of(LANES),
+            self.n_head.is_multiple_of(HEADS) && self.n_index_head.is_multiple_of(LANES),
             "attention.head_count",
             format!(
-                "{} heads and {} indexer heads: multiples of {LANES} (the kernels run eight heads side by side)",
+                "{} heads and {} indexer heads: multiples of {HEADS} and {LANES} (the kernels run that many heads side by side)",
                 self.n_head, self.n_index_head
             ),
         )?;
@@ -433,18 +433,18 @@ struct LayerWeights {
     hc_attn: HcWeights,
     attn_norm: Vec<f32>,
     /// Q8_0: `n_lora_q` rows of `n_embd`.
-    q_a: Q8_0x8,
+    q_a: Q8_0x16,
     q_a_norm: Vec<f32>,
     /// Q8_0: `n_head·head_dim` rows of `n_lora_q`.
-    q_b: Q8_0x8,
+    q_b: Q8_0x16,
     /// Q8_0: `head_dim` rows of `n_embd`.
-    kv: Q8_0x8,
+    kv: Q8_0x16,
     kv_norm: Vec<f32>,
     sinks: Vec<f32>,
     /// Q8_0: `n_out_group·n_lora_o` rows of one group's heads.
-    out_a: Q8_0x8,
+    out_a: Q8_0x16,
     /// Q8_0: `n_embd` rows of `n_out_group·n_lora_o`.
-    out_b: Q8_0x8,
+    out_b: Q8_0x16,
     comp: Option<Compressor>,
     index: Option<Indexer>,
     hc_ffn: HcWeights,
@@ -459,9 +459,9 @@ struct LayerWeights {
     /// Q2_K, per expert `n_embd` rows of `n_ff_exp`.
     down_exps: Range<usize>,
     /// Q8_0 shared expert.
-    sh_gate: Q8_0x8,
-    sh_up: Q8_0x8,
-    sh_down: Q8_0x8,
+    sh_gate: Q8_0x16,
+    sh_up: Q8_0x16,
+    sh_down: Q8_0x16,
     /// Hash routing: the experts of each token id.
     tid2eid: Option<Vec<u32>>,
 }
@@ -474,7 +474,7 @@ pub(crate) struct DeepSeek4 {
     out_hc_base: Vec<f32>,
     output_norm: Vec<f32>,
     /// Q8_0: `n_vocab` rows of `n_embd`.
-    output: Q8_0x8,
+    output: Q8_0x16,
     layers: Vec<LayerWeights>,
     /// RoPE of the dense layers and of the compressed ones.
     rope_dense: TailRope,
@@ -499,9 +499,9 @@ impl DeepSeek4 {
         let mut b = Binder::new(g);
         // Matrices are regrouped for the lanes-over-rows kernels once; their
         // mapped pages then leave the resident set.
-        let q8 = |b: &mut Binder<'_>, name: &str, n_in: usize, n_out: usize| -> Result<Q8_0x8> {
+        let q8 = |b: &mut Binder<'_>, name: &str, n_in: usize, n_out: usize| -> Result<Q8_0x16> {
             let r = b.tensor(name, &[n_in, n_out], GgmlType::Q8_0)?;
-            let packed = Q8_0x8::pack(blocks(&g.bytes()[r.clone()]), n_in / QK8_0);
+            let packed = Q8_0x16::pack(blocks(&g.bytes()[r.clone()]), n_in / QK8_0);
             g.evict(r);
             Ok(packed)
         };
@@ -1011,12 +1011,12 @@ impl DeepSeek4 {
     fn q8_matmul(
         pool: &ThreadPool,
         acts: &mut Q8Acts,
-        w: &Q8_0x8,
+        w: &Q8_0x16,
         groups: usize,
         x: &[f32],
         out: &mut [f32],
     ) {
-        acts.quantize(x);
+        acts.quantize(pool, x);
         matmul_q8_0_f32s(pool, w, groups, acts, out);
     }
 
@@ -1045,7 +1045,8 @@ impl DeepSeek4 {
         let q_dim = d.n_head * hd;
         self.hc_pre(pool, &lw.hc_attn, &lw.attn_norm, nt, r);
         let norm = &r.norm[..nt * e];
-        // Low-rank queries, one RMSNorm per head.
+        // Low-rank queries, one RMSNorm per head; the K/V row from the same
+        // rounded input.
         Self::q8_matmul(
             pool,
             &mut r.acts,
@@ -1054,12 +1055,19 @@ impl DeepSeek4 {
             norm,
             &mut r.qa[..nt * d.n_lora_q],
         );
-        for (qa, qn) in r.qa[..nt * d.n_lora_q]
-            .chunks_exact(d.n_lora_q)
-            .zip(r.qn.chunks_exact_mut(d.n_lora_q))
-        {
-            rms_norm(qa, Some(&lw.q_a_norm), eps, qn);
-        }
+        matmul_q8_0_f32s(pool, &lw.kv, 1, &r.acts, &mut r.kv_raw[..nt * hd]);
+        let qa = &r.qa[..nt * d.n_lora_q];
+        pool.for_each_row_block_mut(&mut r.qn[..nt * d.n_lora_q], d.n_lora_q, &|first, rows| {
+            for (i, qn) in rows.chunks_exact_mut(d.n_lora_q).enumerate() {
+                let t = first + i;
+                rms_norm(
+                    &qa[t * d.n_lora_q..(t + 1) * d.n_lora_q],
+                    Some(&lw.q_a_norm),
+                    eps,
+                    qn,
+                );
+            }
+        });
         Self::q8_matmul(
             pool,
             &mut r.acts,
@@ -1074,14 +1082,6 @@ impl DeepSeek4 {
                 rms_norm(&h, None, eps, head);
             }
         });
-        // The K/V row.
-        Self::q8_matmul(pool, &mut r.acts, &lw.kv, 1, norm, &mut r.kv_raw[..nt * hd]);
-        for (raw, kv) in r.kv_raw[..nt * hd]
-            .chunks_exact(hd)
-            .zip(r.kv.chunks_exact_mut(hd))
-        {
-            rms_norm(raw, Some(&lw.kv_norm), eps, kv);
-        }
         // RoPE at each row's position, FP8 round trip of the K/V row.
         let rope = self.rope_of(lw.ratio);
         let n_pairs = d.n_rot / 2;
@@ -1096,10 +1096,15 @@ impl DeepSeek4 {
                 rope.rotate(q, hd, &tables[t * n_pairs..(t + 1) * n_pairs], false);
             }
         });
-        for (t, kv) in r.kv[..nt * hd].chunks_exact_mut(hd).enumerate() {
-            rope.rotate(kv, hd, &tables[t * n_pairs..(t + 1) * n_pairs], false);
-            qat::fp8_kv_round_trip(kv, d.n_rot);
-        }
+        let kv_raw = &r.kv_raw[..nt * hd];
+        pool.for_each_row_block_mut(&mut r.kv[..nt * hd], hd, &|first, rows| {
+            for (i, kv) in rows.chunks_exact_mut(hd).enumerate() {
+                let t = first + i;
+                rms_norm(&kv_raw[t * hd..(t + 1) * hd], Some(&lw.kv_norm), eps, kv);
+                rope.rotate(kv, hd, &tables[t * n_pairs..(t + 1) * n_pairs], false);
+                qat::fp8_kv_round_trip(kv, d.n_rot);
+            }
+        });
         // Compressor projections of every row, then the state token by token.
         if let Some(c) = &lw.comp {
             let width = if lw.ratio == 4 { 2 * c.dim } else { c.dim };
@@ -1145,23 +1150,22 @@ impl DeepSeek4 {
             let l = &*st.layer_mut(il);
             let (q, pos, n_comp, visible) = (&r.q, &r.pos, &r.n_comp, &r.visible);
             let heads = &mut r.heads[t0 * q_dim..(t0 + n) * q_dim];
-            let groups = d.n_head / LANES;
-            pool.for_each_row_block_mut(heads, LANES * hd, &|first, rows| {
-                for (i, out) in rows.chunks_exact_mut(LANES * hd).enumerate() {
-                    let (t, h) = (t0 + (first + i) / groups, LANES * ((first + i) % groups));
-                    let rows_seen = RowsSeen {
-                        raw: &l.raw,
-                        raw_rows,
-                        comp: &l.comp,
-                        n_comp: n_comp[t],
-                        visible: (lw.ratio == 4 && n_comp[t] > d.index_top_k)
-                            .then(|| &visible[t][..]),
-                    };
-                    self.attend_heads8(
-                        &q[t * q_dim + h * hd..t * q_dim + (h + LANES) * hd],
-                        &lw.sinks[h..h + LANES],
+            let seen = |t: usize| RowsSeen {
+                raw: &l.raw,
+                raw_rows,
+                comp: &l.comp,
+                n_comp: n_comp[t],
+                visible: (lw.ratio == 4 && n_comp[t] > d.index_top_k).then(|| &visible[t][..]),
+            };
+            let groups = d.n_head / HEADS;
+            pool.for_each_row_block_mut(heads, HEADS * hd, &|first, rows| {
+                for (i, out) in rows.chunks_exact_mut(HEADS * hd).enumerate() {
+                    let (t, h) = (t0 + (first + i) / groups, HEADS * ((first + i) % groups));
+                    self.attend_heads16(
+                        &q[t * q_dim + h * hd..t * q_dim + (h + HEADS) * hd],
+                        &lw.sinks[h..h + HEADS],
                         pos[t],
-                        &rows_seen,
+                        &seen(t),
                         out,
                     );
                 }
@@ -1340,68 +1344,41 @@ impl DeepSeek4 {
             return;
         }
         let iq_dim = ih * INDEX_DIM;
-        matmul_f16_serial(
-            pool,
-            &ix.q_b,
-            &r.qn[..nt * d.n_lora_q],
-            &mut r.iq[..nt * iq_dim],
-        );
-        matmul_f16_serial(
-            pool,
-            &ix.proj,
-            &r.norm[..nt * d.n_embd],
-            &mut r.iw[..nt * ih],
-        );
+        let (qn, norm) = (&r.qn[..nt * d.n_lora_q], &r.norm[..nt * d.n_embd]);
+        matmul_f16_serial(pool, &ix.q_b, qn, &mut r.iq[..nt * iq_dim]);
+        matmul_f16_serial(pool, &ix.proj, norm, &mut r.iw[..nt * ih]);
         let rope = &self.rope_comp;
         let n_pairs = d.n_rot / 2;
+        let (n_comp, tables) = (&r.n_comp[..nt], &r.rope[..nt * n_pairs]);
+        pool.for_each_row_block_mut(&mut r.iq[..nt * iq_dim], iq_dim, &|first, rows| {
+            for (i, q) in rows.chunks_exact_mut(iq_dim).enumerate() {
+                let t = first + i;
+                if n_comp[t] > top_k {
+                    rope.rotate(q, INDEX_DIM, &tables[t * n_pairs..(t + 1) * n_pairs], false);
+                    q.chunks_exact_mut(INDEX_DIM)
+                        .for_each(qat::indexer_round_trip);
+                }
+            }
+        });
         let scale = 1.0 / ((INDEX_DIM * ih) as f32).sqrt();
         let mut t0 = 0;
         for s in seqs.iter_mut() {
             let n = s.tokens.len();
             let st = state_of::<CompressedState>(&mut *s.state);
             let l = &*st.layer_mut(il);
-            for t in t0..t0 + n {
-                let n_comp = r.n_comp[t];
+            let (iq, iw) = (&r.iq, &r.iw);
+            pool.for_each_chunk_mut(&mut r.visible[t0..t0 + n], 1, &|i, v| {
+                let t = t0 + i;
+                let n_comp = n_comp[t];
                 if n_comp <= top_k {
-                    continue;
+                    return;
                 }
-                let q = &mut r.iq[t * iq_dim..(t + 1) * iq_dim];
-                rope.rotate(q, INDEX_DIM, &r.rope[t * n_pairs..(t + 1) * n_pairs], false);
-                q.chunks_exact_mut(INDEX_DIM)
-                    .for_each(qat::indexer_round_trip);
-                let w: Vec<f32> = r.iw[t * ih..(t + 1) * ih]
+                let w: Vec<f32> = iw[t * ih..(t + 1) * ih]
                     .iter()
                     .map(|&v| v * scale)
                     .collect();
-                // dots[c * ih + h] = k_c · q_h, eight heads side by side.
-                let mut dots = vec![0.0f32; n_comp * ih];
-                for g in 0..ih / LANES {
-                    let q_t = transpose8(
-                        &q[g * LANES * INDEX_DIM..(g + 1) * LANES * INDEX_DIM],
-                        INDEX_DIM,
-                    );
-                    let keys: Vec<&[f32]> = l.index[..n_comp * INDEX_DIM]
-                        .chunks_exact(INDEX_DIM)
-                        .collect();
-                    for (c0, keys) in (0..).step_by(4).zip(keys.chunks(4)) {
-                        let mut v = [[0.0f32; LANES]; 4];
-                        dots8_serial(&q_t, keys, &mut v[..keys.len()]);
-                        for (j, v) in v[..keys.len()].iter().enumerate() {
-                            dots[(c0 + j) * ih + g * LANES..(c0 + j) * ih + (g + 1) * LANES]
-                                .copy_from_slice(v);
-                        }
-                    }
-                }
-                let scores: Vec<f32> = dots
-                    .chunks_exact(ih)
-                    .map(|dh| {
-                        let mut s = 0.0f32;
-                        for (&dot, &wh) in dh.iter().zip(&w) {
-                            s += if dot < 0.0 { 0.0 } else { dot } * wh;
-                        }
-                        s
-                    })
-                    .collect();
+                let q = &iq[t * iq_dim..(t + 1) * iq_dim];
+                let scores = index_scores(q, &w, &l.index[..n_comp * INDEX_DIM]);
                 let mut allowed = vec![false; n_comp];
                 for _ in 0..top_k {
                     let mut best = 0;
@@ -1414,20 +1391,47 @@ impl DeepSeek4 {
                     }
                     allowed[best] = true;
                 }
-                let v = &mut r.visible[t];
+                let v = &mut v[0];
                 v.clear();
                 v.extend((0..n_comp as u32).filter(|&c| allowed[c as usize]));
-            }
+            });
             t0 += n;
         }
     }
+}
 
-    /// Eight heads' attention (`layer_attention_mixed_one`): scores of the raw
-    /// window (oldest first) then of the visible compressed rows, the sink in
-    /// the denominator only, values summed in that order. `q` and `out` hold
-    /// the eight heads back to back; their scores run as eight serial sums
-    /// side by side ([`dots8_serial`]).
-    fn attend_heads8(
+impl RowsSeen<'_> {
+    /// The rows a query at `pos` reads, in the reference's order: the raw
+    /// window (oldest first), then the visible compressed rows.
+    fn rows(&self, pos: usize, window: usize, hd: usize) -> Vec<&[f32]> {
+        let first = (pos + 1).saturating_sub(window);
+        let raw = |p: usize| {
+            let row = p % self.raw_rows;
+            &self.raw[row * hd..(row + 1) * hd]
+        };
+        let comp = |c: usize| &self.comp[c * hd..(c + 1) * hd];
+        match self.visible {
+            Some(v) => (first..=pos)
+                .map(raw)
+                .chain(v.iter().map(|&c| comp(c as usize)))
+                .collect(),
+            None => (first..=pos)
+                .map(raw)
+                .chain((0..self.n_comp).map(comp))
+                .collect(),
+        }
+    }
+}
+
+impl DeepSeek4 {
+    /// Sixteen heads' attention (`layer_attention_mixed_one`): scores of the
+    /// raw window (oldest first) then of the visible compressed rows, the sink
+    /// in the denominator only, values summed in that order. `q` and `out`
+    /// hold the heads back to back; their scores run as sixteen serial sums
+    /// side by side ([`dots16_serial`]), their values as sixteen weighted sums
+    /// of the same rows ([`wsum16_serial`]), every head's sums in the
+    /// reference's order.
+    fn attend_heads16(
         &self,
         q: &[f32],
         sinks: &[f32],
@@ -1437,51 +1441,32 @@ impl DeepSeek4 {
     ) {
         let hd = self.d.head_dim;
         let kq_scale = 1.0 / (hd as f32).sqrt();
-        let first = (pos + 1).saturating_sub(self.d.window);
-        let raw = |p: usize| {
-            let row = p % seen.raw_rows;
-            &seen.raw[row * hd..(row + 1) * hd]
-        };
-        let comp = |c: usize| &seen.comp[c * hd..(c + 1) * hd];
-        let rows: Vec<&[f32]> = match seen.visible {
-            Some(v) => (first..=pos)
-                .map(raw)
-                .chain(v.iter().map(|&c| comp(c as usize)))
-                .collect(),
-            None => (first..=pos)
-                .map(raw)
-                .chain((0..seen.n_comp).map(comp))
-                .collect(),
-        };
-        let q_t = transpose8(q, hd);
-        // scores[k * 8 + h]
-        let mut scores = vec![0.0f32; rows.len() * LANES];
-        for (keys, sc) in rows.chunks(4).zip(scores.chunks_mut(4 * LANES)) {
-            let mut v = [[0.0f32; LANES]; 4];
-            dots8_serial(&q_t, keys, &mut v[..keys.len()]);
-            for (s, v) in sc.chunks_exact_mut(LANES).zip(&v) {
-                for (s, &v) in s.iter_mut().zip(v) {
-                    *s = v * kq_scale;
-                }
-            }
+        let rows = seen.rows(pos, self.d.window, hd);
+        let q_t = transpose(q, hd, HEADS);
+        // scores[k][h], then the weights in their place.
+        let mut scores = vec![[0.0f32; HEADS]; rows.len()];
+        for (keys, sc) in rows
+            .chunks(DOTS16_CHAINS)
+            .zip(scores.chunks_mut(DOTS16_CHAINS))
+        {
+            dots16_serial(&q_t, keys, sc);
+            sc.iter_mut().flatten().for_each(|s| *s *= kq_scale);
         }
         // Per head: the max over the sink and the scores, then the weights
-        // and values in row order (rows outer, so each value row is read once
-        // for the eight heads; every head's sums keep their order).
-        let max: [f32; LANES] = std::array::from_fn(|h| {
+        // and their sum in row order.
+        let max: [f32; HEADS] = std::array::from_fn(|h| {
             scores
-                .chunks_exact(LANES)
+                .iter()
                 .fold(sinks[h], |m, s| if s[h] > m { s[h] } else { m })
         });
-        let mut denom: [f32; LANES] = std::array::from_fn(|h| (sinks[h] - max[h]).exp());
-        out.fill(0.0);
-        for (k, s) in rows.iter().zip(scores.chunks_exact(LANES)) {
-            for (h, out) in out.chunks_exact_mut(hd).enumerate() {
-                let w = (s[h] - max[h]).exp();
-                denom[h] += w;
-                axpy(w, k, out);
+        let mut denom: [f32; HEADS] = std::array::from_fn(|h| (sinks[h] - max[h]).exp());
+        for s in scores.iter_mut() {
+            for (h, s) in s.iter_mut().enumerate() {
+                *s = (*s - max[h]).exp();
+                denom[h] += *s;
             }
         }
+        wsum16_serial(&scores, &rows, out);
         for (out, denom) in out.chunks_exact_mut(hd).zip(denom) {
             let inv = 1.0 / denom;
             out.iter_mut().for_each(|o| *o *= inv);
@@ -1489,13 +1474,48 @@ impl DeepSeek4 {
     }
 }
 
-/// Eight `n`-long vectors (back to back) transposed: element `i` of vector
-/// `l` at `i·8 + l`, the lanes layout of [`dots8_serial`].
-fn transpose8(v: &[f32], n: usize) -> Vec<f32> {
-    let mut t = vec![0.0f32; LANES * n];
+/// The indexer's score of every compressed row `c` of `keys` for one query
+/// (`q`: its heads back to back, `w`: their weights):
+/// `Σ_h max(k_c·q_h, 0)·w_h`, heads in order, each dot the reference's
+/// serial sum (eight heads side by side).
+fn index_scores(q: &[f32], w: &[f32], keys: &[f32]) -> Vec<f32> {
+    let ih = w.len();
+    let n_comp = keys.len() / INDEX_DIM;
+    // dots[c * ih + h] = k_c · q_h
+    let mut dots = vec![0.0f32; n_comp * ih];
+    let keys: Vec<&[f32]> = keys.chunks_exact(INDEX_DIM).collect();
+    for g in 0..ih / LANES {
+        let q_t = transpose(
+            &q[g * LANES * INDEX_DIM..(g + 1) * LANES * INDEX_DIM],
+            INDEX_DIM,
+            LANES,
+        );
+        for (c0, keys) in (0..).step_by(4).zip(keys.chunks(4)) {
+            let mut v = [[0.0f32; LANES]; 4];
+            dots8_serial(&q_t, keys, &mut v[..keys.len()]);
+            for (j, v) in v[..keys.len()].iter().enumerate() {
+                dots[(c0 + j) * ih + g * LANES..(c0 + j) * ih + (g + 1) * LANES].copy_from_slice(v);
+            }
+        }
+    }
+    dots.chunks_exact(ih)
+        .map(|dh| {
+            let mut s = 0.0f32;
+            for (&dot, &wh) in dh.iter().zip(w) {
+                s += if dot < 0.0 { 0.0 } else { dot } * wh;
+            }
+            s
+        })
+        .collect()
+}
+
+/// `lanes` vectors of `n` (back to back) transposed: element `i` of vector
+/// `l` at `i·lanes + l`, the layout of [`dots8_serial`] and [`dots16_serial`].
+fn transpose(v: &[f32], n: usize, lanes: usize) -> Vec<f32> {
+    let mut t = vec![0.0f32; lanes * n];
     for (l, row) in v.chunks_exact(n).enumerate() {
         for (i, &x) in row.iter().enumerate() {
-            t[i * LANES + l] = x;
+            t[i * lanes + l] = x;
         }
     }
     t

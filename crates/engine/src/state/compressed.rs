@@ -332,12 +332,20 @@ impl SeqState for CompressedState {
     }
 
     fn can_cut_to(&self, n: usize) -> bool {
-        if n == self.len || n == 0 {
-            return n <= self.len;
+        self.could_cut_loaded(self.len, n)
+    }
+
+    /// Exact, not optimistic: whether `n` can be reached from `len` tokens
+    /// depends only on the two lengths (the compressor frontier of the last
+    /// window, the rows the raw ring still holds), the same for any state of
+    /// this layout.
+    fn could_cut_loaded(&self, len: usize, n: usize) -> bool {
+        if n == len || n == 0 {
+            return n <= len;
         }
-        let in_window = self.finest_ratio().is_none_or(|r| n >= self.len / r * r);
-        let first_held = self.len.saturating_sub(self.raw_rows);
-        n < self.len && in_window && n.saturating_sub(self.spec.window - 1) >= first_held
+        let in_window = self.finest_ratio().is_none_or(|r| n >= len / r * r);
+        let first_held = len.saturating_sub(self.raw_rows);
+        n < len && in_window && n.saturating_sub(self.spec.window - 1) >= first_held
     }
 
     fn cut_to(&mut self, n: usize) {

@@ -78,10 +78,11 @@ pub(super) static KERNELS: Kernels = Kernels {
     vec_dot_q2_k_q8_k,
     vec_dot_iq2_xxs_q8_k,
     dot_iq2_decoded_q8_k,
-    dot_q8_0x8_f32s,
+    dot_q8_0x16_f32s,
     dots_f16x8_serial,
     dots8_serial,
-    axpy,
+    dots16_serial,
+    wsum16_serial,
 };
 
 pub(super) fn vec_dot_q2_k_q8_k(x: &[crate::q2_k::BlockQ2_K], y: &[BlockQ8_K]) -> f32 {
@@ -105,50 +106,52 @@ pub(super) fn dot_iq2_decoded_q8_k(x: &crate::iq2_xxs::Iq2Decoded, y: &[BlockQ8_
     unsafe { kquants::dot_iq2_decoded_q8_k(x, y) }
 }
 
-/// The length checks of [`crate::serial::dot_q8_0x8_f32s_ref`] (and at most
+/// The length checks of [`crate::serial::dot_q8_0x16_f32s_ref`] (and at most
 /// four activation rows), shared with the AVX-512 entry.
-pub(super) fn check_q8_0x8(group: &[u8], x: &[crate::serial::Q8Row<'_>], out_len: usize) {
-    let nb = group.len() / crate::serial::Q8_0X8_BLOCK;
+pub(super) fn check_q8_0x16(group: &[u8], x: &[crate::serial::Q8Row<'_>], out_len: usize) {
+    let nb = group.len() / crate::serial::Q8_0X16_BLOCK;
     assert!(
         x.len() <= 4
             && out_len == x.len()
-            && group.len() == nb * crate::serial::Q8_0X8_BLOCK
+            && group.len() == nb * crate::serial::Q8_0X16_BLOCK
             && x.iter()
                 .all(|x| x.qs.len() == nb * QK8_0 && x.d.len() == nb && x.sums.len() == nb),
-        "dot_q8_0x8_f32s lengths"
+        "dot_q8_0x16_f32s lengths"
     );
 }
 
-pub(super) fn dot_q8_0x8_f32s(
+pub(super) fn dot_q8_0x16_f32s(
     group: &[u8],
     x: &[crate::serial::Q8Row<'_>],
-    out: &mut [[f32; crate::serial::LANES]],
+    out: &mut [[f32; crate::serial::Q8_ROWS]],
 ) {
-    check_q8_0x8(group, x, out.len());
+    check_q8_0x16(group, x, out.len());
     // SAFETY: see above.
-    unsafe { serial::dot_q8_0x8_f32s(group, x, out) }
+    unsafe { serial::dot_q8_0x16_f32s(group, x, out) }
 }
 
-pub(super) fn axpy(w: f32, x: &[f32], out: &mut [f32]) {
-    assert_eq!(x.len(), out.len(), "axpy lengths");
-    // SAFETY: see above.
-    unsafe { serial::axpy(w, x, out) }
-}
-
-pub(super) fn dots_f16x8_serial(
-    w: &[&[u16]],
-    x: &[&[f32]],
-    out: &mut [[f32; crate::serial::LANES]],
-) {
+pub(super) fn dots_f16x8_serial(w: &[u16], x: &[&[f32]], out: &mut [[f32; crate::serial::LANES]]) {
     assert!(
-        x.len() <= 4
-            && w.len() == x.len()
+        x.len() <= crate::serial::F16X8_CHAINS
             && out.len() == x.len()
-            && w.iter().zip(x).all(|(w, xi)| w.len() == crate::serial::LANES * xi.len() && xi.len() == x[0].len()),
+            && x.iter()
+                .all(|xi| w.len() == crate::serial::LANES * xi.len()),
         "dots_f16x8_serial lengths"
     );
     // SAFETY: see above.
     unsafe { serial::dots_f16x8_serial(w, x, out) }
+}
+
+pub(super) fn dots16_serial(a: &[f32], b: &[&[f32]], out: &mut [[f32; crate::serial::HEADS]]) {
+    crate::serial::check_dots16(a, b, out.len());
+    // SAFETY: see above.
+    unsafe { serial::dots16_serial(a, b, out) }
+}
+
+pub(super) fn wsum16_serial(w: &[[f32; crate::serial::HEADS]], rows: &[&[f32]], out: &mut [f32]) {
+    let n = crate::serial::check_wsum16(w, rows, out);
+    // SAFETY: see above.
+    unsafe { serial::wsum16_serial(w, rows, out, n) }
 }
 
 pub(super) fn dots8_serial(a: &[f32], b: &[&[f32]], out: &mut [[f32; crate::serial::LANES]]) {

@@ -73,9 +73,10 @@ pub(super) static KERNELS: Kernels = Kernels {
     dequantize_row_bf16: avx2::dequantize_row_bf16,
     quantize_row_q8_0: avx2::quantize_row_q8_0,
     // The deepseek4 products: the Q8_0 rows' exact block sums by VNNI, and
-    // the element-wise weighted sums sixteen wide.
-    dot_q8_0x8_f32s: serial::dot_q8_0x8_f32s,
-    axpy: serial::axpy,
+    // attention's sixteen heads in the lanes of one register.
+    dot_q8_0x16_f32s: serial::dot_q8_0x16_f32s,
+    dots16_serial: serial::dots16_serial,
+    wsum16_serial: serial::wsum16_serial,
     // The AVX2 tier's: the other deepseek4 products, whose serial per-row sums
     // (the reference engine's order) leave nothing for wider registers to split.
     vec_dot_q2_k_q8_k: avx2::vec_dot_q2_k_q8_k,

@@ -1,12 +1,12 @@
 //! The DeepSeek V4 serial sums on AVX-512 VNNI (see [`crate::serial`]): each
 //! row's float sum stays one chain in block order, as in the reference; what
-//! the wider tier speeds up is the exact integer part of each Q8_0 block and
-//! the element-wise weighted sums.
+//! the wider tier speeds up is the exact integer part of each Q8_0 block
+//! (sixteen rows per register) and attention, sixteen heads per register.
 
 use std::arch::x86_64::*;
 
 use crate::q8_0::QK8_0;
-use crate::serial::{Q8Row, LANES, Q8_0X8_BLOCK};
+use crate::serial::{Q8Row, HEADS, Q8_0X16_BLOCK, Q8_ROWS};
 
 /// 64 bytes.
 #[inline]
@@ -17,93 +17,130 @@ fn load64(b: &[u8]) -> __m512i {
     unsafe { _mm512_loadu_si512(b.as_ptr().cast()) }
 }
 
-/// [`crate::serial::dot_q8_0x8_f32s_ref`] for `N` activation rows. A block of
-/// the group is four 64-byte slices, each eight rows' bytes `8k..8k + 8`,
-/// offset by 128 ([`crate::serial::Q8_0x8`]); `vpdpbusd` of a slice (unsigned)
-/// against the row's bytes `8k..8k + 8` broadcast (signed) adds each row's two
-/// 4-byte sums to its lanes `2r, 2r + 1`. Starting from `-128·Σx` in the even
-/// lanes (the offset's share, one value per activation block) and folding each lane pair gives the
-/// eight exact integer sums in the even lanes; the float terms
-/// `(d_w·d_x)·isum` and the running sums are formed there (the odd lanes carry
-/// values nobody reads), as the scalar loop does per row.
+/// [`crate::serial::dot_q8_0x16_f32s_ref`] for `N` activation rows. A block of
+/// the group is eight 64-byte slices, each the sixteen rows' bytes
+/// `4k..4k + 4`, offset by 128 ([`crate::serial::Q8_0x16`]); `vpdpbusd` of a
+/// slice (unsigned) against the row's bytes `4k..4k + 4` broadcast (signed)
+/// adds each row's 4-byte sum to its own lane. Starting from `-128·Σx` (the
+/// offset's share, one value per activation block) that gives the sixteen
+/// exact integer sums; then per lane `acc += (d_w·d_x)·isum`, as the scalar
+/// loop does per row.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn dot_q8_0x8_n<const N: usize>(group: &[u8], x: &[Q8Row<'_>], out: &mut [[f32; LANES]]) {
+fn dot_q8_0x16_n<const N: usize>(group: &[u8], x: &[Q8Row<'_>], out: &mut [[f32; Q8_ROWS]]) {
     let mut acc = [_mm512_setzero_ps(); N];
-    for (b, blk) in group.chunks_exact(Q8_0X8_BLOCK).enumerate() {
-        // The eight f16 scales, each in both lanes of its row (exact widening).
-        let h: &[u8; 16] = blk[..2 * LANES].try_into().unwrap();
-        // SAFETY: `h` is 16 readable bytes; `loadu` has no alignment requirement.
-        let h = _mm256_cvtepu16_epi32(unsafe { _mm_loadu_si128(h.as_ptr().cast()) });
-        let scales = _mm512_cvtph_ps(_mm256_or_si256(h, _mm256_slli_epi32::<16>(h)));
-        let w: [__m512i; 4] = std::array::from_fn(|k| load64(&blk[2 * LANES + 64 * k..]));
+    for (b, blk) in group.chunks_exact(Q8_0X16_BLOCK).enumerate() {
+        let h: &[u8; 32] = blk[..2 * Q8_ROWS].try_into().unwrap();
+        // SAFETY: `h` is 32 readable bytes; `loadu` has no alignment requirement.
+        let scales = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(h.as_ptr().cast()) });
+        let w: [__m512i; 8] = std::array::from_fn(|k| load64(&blk[2 * Q8_ROWS + 64 * k..]));
         for j in 0..N {
             let q: &[u8] = bytemuck::cast_slice(&x[j].qs[b * QK8_0..(b + 1) * QK8_0]);
-            let xb: [__m512i; 4] = std::array::from_fn(|k| {
-                _mm512_set1_epi64(i64::from_le_bytes(q[8 * k..8 * k + 8].try_into().unwrap()))
-            });
+            let xb = |k: usize| {
+                _mm512_set1_epi32(i32::from_le_bytes(q[4 * k..4 * k + 4].try_into().unwrap()))
+            };
             // Two chains, for latency; the integer sums are exact in any order.
-            // The offset's share goes into the even lane of each row's pair.
-            let offset = _mm512_set1_epi64(i64::from((-128 * x[j].sums[b]) as u32));
-            let s0 = _mm512_dpbusd_epi32(offset, w[0], xb[0]);
-            let s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], xb[1]);
-            let s0 = _mm512_dpbusd_epi32(s0, w[2], xb[2]);
-            let s1 = _mm512_dpbusd_epi32(s1, w[3], xb[3]);
-            let s = _mm512_add_epi32(s0, s1);
-            let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s, _mm512_srli_epi64::<32>(s)));
+            let mut s0 = _mm512_set1_epi32(-128 * x[j].sums[b]);
+            let mut s1 = _mm512_setzero_si512();
+            for k in (0..8).step_by(2) {
+                s0 = _mm512_dpbusd_epi32(s0, w[k], xb(k));
+                s1 = _mm512_dpbusd_epi32(s1, w[k + 1], xb(k + 1));
+            }
+            let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
             let t = _mm512_mul_ps(_mm512_mul_ps(scales, _mm512_set1_ps(x[j].d[b])), isum);
             acc[j] = _mm512_add_ps(acc[j], t);
         }
     }
-    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
     for (o, a) in out.iter_mut().zip(acc) {
-        let v = _mm512_castps512_ps256(_mm512_permutexvar_ps(even, a));
-        // SAFETY: `o` is 8 writable f32s; `storeu` has no alignment requirement.
-        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
+        // SAFETY: `o` is 16 writable f32s; `storeu` has no alignment requirement.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), a) };
     }
 }
 
-/// The table entry: [`super::super::avx2::check_q8_0x8`]'s checks, then the
+/// The table entry: [`super::super::avx2::check_q8_0x16`]'s checks, then the
 /// kernel for the row count.
-pub(super) fn dot_q8_0x8_f32s(group: &[u8], x: &[Q8Row<'_>], out: &mut [[f32; LANES]]) {
-    super::super::avx2::check_q8_0x8(group, x, out.len());
+pub(super) fn dot_q8_0x16_f32s(group: &[u8], x: &[Q8Row<'_>], out: &mut [[f32; Q8_ROWS]]) {
+    super::super::avx2::check_q8_0x16(group, x, out.len());
     // SAFETY: this tier's table is handed out only after its features were
     // detected (see `super::super::avx512()`).
     unsafe {
         match x.len() {
-            1 => dot_q8_0x8_n::<1>(group, x, out),
-            2 => dot_q8_0x8_n::<2>(group, x, out),
-            3 => dot_q8_0x8_n::<3>(group, x, out),
-            4 => dot_q8_0x8_n::<4>(group, x, out),
+            1 => dot_q8_0x16_n::<1>(group, x, out),
+            2 => dot_q8_0x16_n::<2>(group, x, out),
+            3 => dot_q8_0x16_n::<3>(group, x, out),
+            4 => dot_q8_0x16_n::<4>(group, x, out),
             _ => {}
         }
     }
 }
 
-/// [`crate::serial::axpy_ref`], sixteen elements at a time (the same multiply
-/// and add per element).
+/// [`crate::serial::dots16_serial_ref`] with `N` rows: the sixteen heads in
+/// the lanes of one register per row.
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn axpy16(w: f32, x: &[f32], out: &mut [f32]) {
-    let wv = _mm512_set1_ps(w);
-    let n16 = x.len() / 16 * 16;
-    for (o, v) in out[..n16]
-        .chunks_exact_mut(16)
-        .zip(x[..n16].chunks_exact(16))
-    {
-        // SAFETY: `o` and `v` are 16 f32s each; `loadu`/`storeu` are unaligned.
-        unsafe {
-            let r = _mm512_add_ps(
-                _mm512_loadu_ps(o.as_ptr()),
-                _mm512_mul_ps(wv, _mm512_loadu_ps(v.as_ptr())),
-            );
-            _mm512_storeu_ps(o.as_mut_ptr(), r);
+fn dots16_n<const N: usize>(a: &[f32], b: &[&[f32]], out: &mut [[f32; HEADS]]) {
+    let n = b[0].len();
+    let b: [&[f32]; N] = std::array::from_fn(|j| &b[j][..n]);
+    let mut acc = [_mm512_setzero_ps(); N];
+    for (i, a) in a[..n * HEADS].chunks_exact(HEADS).enumerate() {
+        // SAFETY: `a` is 16 readable f32s; `loadu` has no alignment requirement.
+        let av = unsafe { _mm512_loadu_ps(a.as_ptr()) };
+        for j in 0..N {
+            acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(av, _mm512_set1_ps(b[j][i])));
         }
     }
-    crate::serial::axpy_ref(w, &x[n16..], &mut out[n16..]);
+    for (o, v) in out.iter_mut().zip(acc) {
+        // SAFETY: `o` is 16 writable f32s; `storeu` has no alignment requirement.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+    }
 }
 
-pub(super) fn axpy(w: f32, x: &[f32], out: &mut [f32]) {
-    assert_eq!(x.len(), out.len(), "axpy lengths");
-    // SAFETY: as in `dot_q8_0x8_f32s`.
-    unsafe { axpy16(w, x, out) }
+pub(super) fn dots16_serial(a: &[f32], b: &[&[f32]], out: &mut [[f32; HEADS]]) {
+    crate::serial::check_dots16(a, b, out.len());
+    // SAFETY: as in `dot_q8_0x16_f32s`.
+    unsafe {
+        match b.len() {
+            1 => dots16_n::<1>(a, b, out),
+            2 => dots16_n::<2>(a, b, out),
+            3 => dots16_n::<3>(a, b, out),
+            4 => dots16_n::<4>(a, b, out),
+            5 => dots16_n::<5>(a, b, out),
+            6 => dots16_n::<6>(a, b, out),
+            7 => dots16_n::<7>(a, b, out),
+            8 => dots16_n::<8>(a, b, out),
+            _ => {}
+        }
+    }
+}
+
+/// [`crate::serial::wsum16_serial_ref`] for rows of `n`: per sixteen
+/// elements, the sixteen heads' running sums in registers over all the rows
+/// in order (each element keeps the reference's chain); the `n % 16` tail
+/// element by element in the same order.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn wsum16(w: &[[f32; HEADS]], rows: &[&[f32]], out: &mut [f32], n: usize) {
+    let n16 = n / 16 * 16;
+    for d in (0..n16).step_by(16) {
+        let mut acc = [_mm512_setzero_ps(); HEADS];
+        for (wk, row) in w.iter().zip(rows) {
+            let row: &[f32; 16] = row[d..d + 16].try_into().unwrap();
+            // SAFETY: `row` is 16 readable f32s; `loadu` has no alignment requirement.
+            let v = unsafe { _mm512_loadu_ps(row.as_ptr()) };
+            for (a, &wh) in acc.iter_mut().zip(wk) {
+                *a = _mm512_add_ps(*a, _mm512_mul_ps(_mm512_set1_ps(wh), v));
+            }
+        }
+        for (h, a) in acc.into_iter().enumerate() {
+            let o: &mut [f32; 16] = (&mut out[h * n + d..h * n + d + 16]).try_into().unwrap();
+            // SAFETY: `o` is 16 writable f32s; `storeu` has no alignment requirement.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), a) };
+        }
+    }
+    crate::serial::wsum16_tail(w, rows, out, n, n16);
+}
+
+pub(super) fn wsum16_serial(w: &[[f32; HEADS]], rows: &[&[f32]], out: &mut [f32]) {
+    let n = crate::serial::check_wsum16(w, rows, out);
+    // SAFETY: as in `dot_q8_0x16_f32s`.
+    unsafe { wsum16(w, rows, out, n) }
 }
