@@ -251,7 +251,8 @@ fn cpu_seconds() -> f64 {
 }
 
 /// Timing (not a test): `cargo test --release -p ds4-engine --test
-/// golden_deepseek4 -- --ignored --nocapture bench_long_prefill`.
+/// deepseek4 -- --ignored --nocapture bench_long_prefill` (`ds4 bench
+/// --summary -p 1597` measures the same through the CLI).
 #[test]
 #[ignore]
 fn bench_long_prefill() {

@@ -25,6 +25,26 @@ macro_rules! dispatch_tile {
 }
 pub(crate) use dispatch_tile;
 
+/// Calls `$kernel::<N>$args` for the run-time chain count `$n` in `1..=$max`
+/// (4 or 8; the serial-sum kernels of `crate::serial` keep their chains in
+/// registers, one monomorphized loop per count); any other count does
+/// nothing: the entry's checks refused it.
+macro_rules! dispatch_chains {
+    ($kernel:ident, $n:expr, 4, $args:tt) => {
+        $crate::x86::dispatch_chains!(@counts $kernel, $n, $args, 1, 2, 3, 4)
+    };
+    ($kernel:ident, $n:expr, 8, $args:tt) => {
+        $crate::x86::dispatch_chains!(@counts $kernel, $n, $args, 1, 2, 3, 4, 5, 6, 7, 8)
+    };
+    (@counts $kernel:ident, $n:expr, $args:tt, $($k:literal),*) => {
+        match $n {
+            $($k => $kernel::<$k> $args,)*
+            _ => {}
+        }
+    };
+}
+pub(crate) use dispatch_chains;
+
 mod avx2;
 mod avx512;
 

@@ -72,13 +72,7 @@ fn dot_q8_0x16_n<const N: usize>(group: &[u8], x: &[Q8Row<'_>], out: &mut [[f32;
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn dot_q8_0x16_f32s(group: &[u8], x: &[Q8Row<'_>], out: &mut [[f32; Q8_ROWS]]) {
-    match x.len() {
-        1 => dot_q8_0x16_n::<1>(group, x, out),
-        2 => dot_q8_0x16_n::<2>(group, x, out),
-        3 => dot_q8_0x16_n::<3>(group, x, out),
-        4 => dot_q8_0x16_n::<4>(group, x, out),
-        _ => {}
-    }
+    super::super::dispatch_chains!(dot_q8_0x16_n, x.len(), 4, (group, x, out))
 }
 
 /// [`crate::serial::dots_f16x8_serial_ref`] with `N` chains.
@@ -101,17 +95,7 @@ fn dots_f16x8_n<const N: usize>(w: &[u16], x: &[&[f32]], out: &mut [[f32; LANES]
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn dots_f16x8_serial(w: &[u16], x: &[&[f32]], out: &mut [[f32; LANES]]) {
-    match x.len() {
-        1 => dots_f16x8_n::<1>(w, x, out),
-        2 => dots_f16x8_n::<2>(w, x, out),
-        3 => dots_f16x8_n::<3>(w, x, out),
-        4 => dots_f16x8_n::<4>(w, x, out),
-        5 => dots_f16x8_n::<5>(w, x, out),
-        6 => dots_f16x8_n::<6>(w, x, out),
-        7 => dots_f16x8_n::<7>(w, x, out),
-        8 => dots_f16x8_n::<8>(w, x, out),
-        _ => {}
-    }
+    super::super::dispatch_chains!(dots_f16x8_n, x.len(), 8, (w, x, out))
 }
 
 /// [`crate::serial::dots8_serial_ref`] with `N` rows.
@@ -133,13 +117,7 @@ fn dots8_n<const N: usize>(a: &[f32], b: &[&[f32]], out: &mut [[f32; LANES]]) {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn dots8_serial(a: &[f32], b: &[&[f32]], out: &mut [[f32; LANES]]) {
-    match b.len() {
-        1 => dots8_n::<1>(a, b, out),
-        2 => dots8_n::<2>(a, b, out),
-        3 => dots8_n::<3>(a, b, out),
-        4 => dots8_n::<4>(a, b, out),
-        _ => {}
-    }
+    super::super::dispatch_chains!(dots8_n, b.len(), 4, (a, b, out))
 }
 
 /// [`crate::serial::dots16_serial_ref`] with `N` rows, eight heads at a time.
@@ -164,17 +142,7 @@ fn dots16_n<const N: usize>(a: &[f32], b: &[&[f32]], out: &mut [[f32; HEADS]]) {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn dots16_serial(a: &[f32], b: &[&[f32]], out: &mut [[f32; HEADS]]) {
-    match b.len() {
-        1 => dots16_n::<1>(a, b, out),
-        2 => dots16_n::<2>(a, b, out),
-        3 => dots16_n::<3>(a, b, out),
-        4 => dots16_n::<4>(a, b, out),
-        5 => dots16_n::<5>(a, b, out),
-        6 => dots16_n::<6>(a, b, out),
-        7 => dots16_n::<7>(a, b, out),
-        8 => dots16_n::<8>(a, b, out),
-        _ => {}
-    }
+    super::super::dispatch_chains!(dots16_n, b.len(), 8, (a, b, out))
 }
 
 /// [`crate::serial::wsum16_serial_ref`] for rows of `n`: per eight heads and

@@ -63,15 +63,7 @@ pub(super) fn dot_q8_0x16_f32s(group: &[u8], x: &[Q8Row<'_>], out: &mut [[f32; Q
     super::super::avx2::check_q8_0x16(group, x, out.len());
     // SAFETY: this tier's table is handed out only after its features were
     // detected (see `super::super::avx512()`).
-    unsafe {
-        match x.len() {
-            1 => dot_q8_0x16_n::<1>(group, x, out),
-            2 => dot_q8_0x16_n::<2>(group, x, out),
-            3 => dot_q8_0x16_n::<3>(group, x, out),
-            4 => dot_q8_0x16_n::<4>(group, x, out),
-            _ => {}
-        }
-    }
+    unsafe { super::super::dispatch_chains!(dot_q8_0x16_n, x.len(), 4, (group, x, out)) }
 }
 
 /// [`crate::serial::dots16_serial_ref`] with `N` rows: the sixteen heads in
@@ -98,19 +90,7 @@ fn dots16_n<const N: usize>(a: &[f32], b: &[&[f32]], out: &mut [[f32; HEADS]]) {
 pub(super) fn dots16_serial(a: &[f32], b: &[&[f32]], out: &mut [[f32; HEADS]]) {
     crate::serial::check_dots16(a, b, out.len());
     // SAFETY: as in `dot_q8_0x16_f32s`.
-    unsafe {
-        match b.len() {
-            1 => dots16_n::<1>(a, b, out),
-            2 => dots16_n::<2>(a, b, out),
-            3 => dots16_n::<3>(a, b, out),
-            4 => dots16_n::<4>(a, b, out),
-            5 => dots16_n::<5>(a, b, out),
-            6 => dots16_n::<6>(a, b, out),
-            7 => dots16_n::<7>(a, b, out),
-            8 => dots16_n::<8>(a, b, out),
-            _ => {}
-        }
-    }
+    unsafe { super::super::dispatch_chains!(dots16_n, b.len(), 8, (a, b, out)) }
 }
 
 /// [`crate::serial::wsum16_serial_ref`] for rows of `n`: per sixteen
