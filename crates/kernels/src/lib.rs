@@ -232,16 +232,9 @@ pub(crate) static SCALAR: Kernels = Kernels {
     dot_q8_0x16_f32s: serial::dot_q8_0x16_f32s_ref,
     dots_f16x8_serial: serial::dots_f16x8_serial_ref,
     dots8_serial: serial::dots8_serial_ref,
-    dots16_serial: dots16_serial_checked_ref,
+    dots16_serial: serial::dots16_serial_ref,
     wsum16_serial: serial::wsum16_serial_ref,
 };
-
-/// The scalar table's [`serial::dots16_serial`]: the reference after the
-/// tiers' shape checks.
-fn dots16_serial_checked_ref(a: &[f32], b: &[&[f32]], out: &mut [[f32; serial::HEADS]]) {
-    serial::check_dots16(a, b, out.len());
-    serial::dots16_serial_ref(a, b, out)
-}
 
 /// [`q2_k::vec_dot_q2_K_q8_K`] by the selected tier.
 pub fn vec_dot_q2_k_q8_k(x: &[q2_k::BlockQ2_K], y: &[BlockQ8_K]) -> f32 {

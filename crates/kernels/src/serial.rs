@@ -210,19 +210,6 @@ pub fn dot_q8_0x16_f32s_ref(group: &[u8], x: &[Q8Row<'_>], out: &mut [[f32; Q8_R
     }
 }
 
-/// `out[i] += w·x[i]` for every `i` (a rounded multiply, then a rounded add):
-/// one step of a weighted sum of rows (attention's values), each element its
-/// own serial sum.
-///
-/// # Panics
-/// If the lengths differ.
-pub fn axpy_ref(w: f32, x: &[f32], out: &mut [f32]) {
-    assert_eq!(x.len(), out.len(), "axpy lengths");
-    for (o, &v) in out.iter_mut().zip(x) {
-        *o += w * v;
-    }
-}
-
 /// F16 rows regrouped by eight: per group (the last padded with zero rows),
 /// per column `i`, the eight rows' values at `i`.
 #[derive(Clone, Debug)]
@@ -349,27 +336,22 @@ pub fn dots16_serial_ref(a: &[f32], b: &[&[f32]], out: &mut [[f32; HEADS]]) {
 /// # Panics
 /// If the lengths disagree or more than [`DOTS16_CHAINS`] rows are given.
 pub fn dots16_serial(a: &[f32], b: &[&[f32]], out: &mut [[f32; HEADS]]) {
+    check_dots16(a, b, out.len());
     (kernels().dots16_serial)(a, b, out)
 }
 
 /// Sixteen weighted sums of the same rows (attention's values for sixteen
 /// heads): `out[h·n + d] = Σ_k w[k][h]·rows[k][d]`, each element one running
 /// f32 sum from `+0` in increasing `k` (a rounded multiply, then a rounded
-/// add: [`axpy_ref`] of every row into every head in turn), `n` the row
-/// length.
+/// add), `n` the row length.
 pub fn wsum16_serial_ref(w: &[[f32; HEADS]], rows: &[&[f32]], out: &mut [f32]) {
     let n = check_wsum16(w, rows, out);
-    out.fill(0.0);
-    for (wk, row) in w.iter().zip(rows) {
-        for (&wh, o) in wk.iter().zip(out.chunks_exact_mut(n)) {
-            axpy_ref(wh, row, o);
-        }
-    }
+    wsum16_from(w, rows, out, n, 0);
 }
 
 /// Elements `from..n` of every head of [`wsum16_serial_ref`], in its order
-/// (the tier kernels' tail).
-pub(crate) fn wsum16_tail(
+/// (the reference from 0, the tier kernels' tail from their last full step).
+pub(crate) fn wsum16_from(
     w: &[[f32; HEADS]],
     rows: &[&[f32]],
     out: &mut [f32],
@@ -502,11 +484,10 @@ pub fn matmul_f16_serial(pool: &ThreadPool, w: &F16x8, x: &[f32], out: &mut [f32
                     &x[t * n_in..(t + 1) * n_in]
                 });
                 dots(wg, &xs[..tn], &mut v[..tn]);
+                let rows = (n_out - g).min(LANES);
                 for (j, v) in v[..tn].iter().enumerate() {
-                    for (l, &x) in v.iter().enumerate().take(n_out - g) {
-                        // SAFETY: as in `matmul_q8_0_f32s`.
-                        unsafe { ptr.write((t0 + j) * n_out + g + l, x) };
-                    }
+                    // SAFETY: as in `matmul_q8_0_f32s`.
+                    unsafe { ptr.slice((t0 + j) * n_out + g, rows) }.copy_from_slice(&v[..rows]);
                 }
             }
         }

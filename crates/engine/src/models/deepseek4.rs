@@ -1213,6 +1213,29 @@ struct RowsSeen<'a> {
     visible: Option<&'a [u32]>,
 }
 
+impl RowsSeen<'_> {
+    /// The rows a query at `pos` reads, in the reference's order: the raw
+    /// window (oldest first), then the visible compressed rows.
+    fn rows(&self, pos: usize, window: usize, hd: usize) -> Vec<&[f32]> {
+        let first = (pos + 1).saturating_sub(window);
+        let raw = |p: usize| {
+            let row = p % self.raw_rows;
+            &self.raw[row * hd..(row + 1) * hd]
+        };
+        let comp = |c: usize| &self.comp[c * hd..(c + 1) * hd];
+        match self.visible {
+            Some(v) => (first..=pos)
+                .map(raw)
+                .chain(v.iter().map(|&c| comp(c as usize)))
+                .collect(),
+            None => (first..=pos)
+                .map(raw)
+                .chain((0..self.n_comp).map(comp))
+                .collect(),
+        }
+    }
+}
+
 impl DeepSeek4 {
     /// One compressor's step for row `t` at position `pos`
     /// (`compressor_decode_one`): its projected kv and score (plus the
@@ -1398,32 +1421,7 @@ impl DeepSeek4 {
             t0 += n;
         }
     }
-}
 
-impl RowsSeen<'_> {
-    /// The rows a query at `pos` reads, in the reference's order: the raw
-    /// window (oldest first), then the visible compressed rows.
-    fn rows(&self, pos: usize, window: usize, hd: usize) -> Vec<&[f32]> {
-        let first = (pos + 1).saturating_sub(window);
-        let raw = |p: usize| {
-            let row = p % self.raw_rows;
-            &self.raw[row * hd..(row + 1) * hd]
-        };
-        let comp = |c: usize| &self.comp[c * hd..(c + 1) * hd];
-        match self.visible {
-            Some(v) => (first..=pos)
-                .map(raw)
-                .chain(v.iter().map(|&c| comp(c as usize)))
-                .collect(),
-            None => (first..=pos)
-                .map(raw)
-                .chain((0..self.n_comp).map(comp))
-                .collect(),
-        }
-    }
-}
-
-impl DeepSeek4 {
     /// Sixteen heads' attention (`layer_attention_mixed_one`): scores of the
     /// raw window (oldest first) then of the visible compressed rows, the sink
     /// in the denominator only, values summed in that order. `q` and `out`

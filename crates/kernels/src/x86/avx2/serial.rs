@@ -166,5 +166,5 @@ pub(super) fn wsum16_serial(w: &[[f32; HEADS]], rows: &[&[f32]], out: &mut [f32]
             }
         }
     }
-    crate::serial::wsum16_tail(w, rows, out, n, n8);
+    crate::serial::wsum16_from(w, rows, out, n, n8);
 }

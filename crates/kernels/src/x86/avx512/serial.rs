@@ -116,7 +116,7 @@ fn wsum16(w: &[[f32; HEADS]], rows: &[&[f32]], out: &mut [f32], n: usize) {
             unsafe { _mm512_storeu_ps(o.as_mut_ptr(), a) };
         }
     }
-    crate::serial::wsum16_tail(w, rows, out, n, n16);
+    crate::serial::wsum16_from(w, rows, out, n, n16);
 }
 
 pub(super) fn wsum16_serial(w: &[[f32; HEADS]], rows: &[&[f32]], out: &mut [f32]) {
