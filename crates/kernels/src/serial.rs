@@ -284,12 +284,19 @@ pub fn dots_f16x8_serial_ref(w: &[u16], x: &[&[f32]], out: &mut [[f32; LANES]]) 
 /// `out[j][l] = Σ_i a[i·8 + l]·b[j][i]` serially (eight transposed vectors,
 /// such as query heads, against up to four rows).
 pub fn dots8_serial_ref(a: &[f32], b: &[&[f32]], out: &mut [[f32; LANES]]) {
+    dots_transposed_ref(a, b, out)
+}
+
+/// `L` transposed vectors (`a`: `n x L`) against rows `b`: chain `j` is
+/// `out[j][l] = Σ_i a[i·L + l]·b[j][i]`, a running f32 sum in increasing `i`
+/// (the definition of [`dots8_serial_ref`] and [`dots16_serial_ref`]).
+fn dots_transposed_ref<const L: usize>(a: &[f32], b: &[&[f32]], out: &mut [[f32; L]]) {
     for (b, out) in b.iter().zip(out.iter_mut()) {
-        assert_eq!(a.len(), LANES * b.len(), "dots8_serial lengths");
+        assert_eq!(a.len(), L * b.len(), "dots_serial lengths");
         for (l, o) in out.iter_mut().enumerate() {
             let mut acc = 0.0f32;
             for (i, &v) in b.iter().enumerate() {
-                acc += a[i * LANES + l] * v;
+                acc += a[i * L + l] * v;
             }
             *o = acc;
         }
@@ -319,16 +326,7 @@ pub const DOTS16_CHAINS: usize = 8;
 /// as query heads) against up to [`DOTS16_CHAINS`] rows: chain `j` is
 /// `out[j][l] = Σ_i a[i·16 + l]·b[j][i]`, a running f32 sum in increasing `i`.
 pub fn dots16_serial_ref(a: &[f32], b: &[&[f32]], out: &mut [[f32; HEADS]]) {
-    for (b, out) in b.iter().zip(out.iter_mut()) {
-        assert_eq!(a.len(), HEADS * b.len(), "dots16_serial lengths");
-        for (l, o) in out.iter_mut().enumerate() {
-            let mut acc = 0.0f32;
-            for (i, &v) in b.iter().enumerate() {
-                acc += a[i * HEADS + l] * v;
-            }
-            *o = acc;
-        }
-    }
+    dots_transposed_ref(a, b, out)
 }
 
 /// [`dots16_serial_ref`] by the selected tier.
