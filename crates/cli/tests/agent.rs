@@ -205,12 +205,13 @@ fn ctrl_c_stops_a_generation_and_a_second_one_quits_with_a_save() {
     p.expect("> ").unwrap();
     p.send_line("Write a very long story about a dragon.")
         .unwrap();
-    p.expect("dragon.").unwrap(); // the echo
-                                  // Ctrl-C once the turn has printed something, so the line editor has
-                                  // handed the terminal back: typed into the editor, a Ctrl-C is a key
-                                  // waiting for its next prompt, not the SIGINT that stops a turn. (A
-                                  // fixed 1.5 s wait was once not enough on a loaded machine: the turn
-                                  // ran all its tokens.)
+    // The echo.
+    p.expect("dragon.").unwrap();
+    // Ctrl-C once the turn has printed something, so the line editor has
+    // handed the terminal back: typed into the editor, a Ctrl-C is a key
+    // waiting for its next prompt, not the SIGINT that stops a turn (a fixed
+    // 1.5 s wait was once not enough on a loaded machine: the turn ran all
+    // its tokens).
     p.expect(Regex(r"\n.")).unwrap();
     p.send(expectrl::ControlCode::EndOfText).unwrap();
     p.expect("(stopped; Ctrl-C again to quit)").unwrap();

@@ -346,7 +346,7 @@ pub fn attention<T: AsF32Rows>(
     ATTN_OUT.with_borrow_mut(|scratch| {
         // Grown, never shrunk: layers of one model differ (Gemma 3's global
         // layers have 60 times the segments of its local ones), and a shrunk
-        // vector grown back writes zeros over all of it (7.9 MiB per global
+        // vector grown back writes zeros over all of it (7.9 MB per global
         // layer per decoded token at 30k, 4% of decode time).
         let len = n_head_kv * n_blocks * n_seg * item_len;
         if scratch.len() < len {
@@ -694,6 +694,7 @@ mod tests {
         let v: Vec<f32> = (0..n_kv * n_ctx * hd).map(|_| rnd()).collect();
         let (pos0, n_tok) = (600, 40);
         let q: Vec<f32> = (0..n_tok * n_head * hd).map(|_| rnd()).collect();
+        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         for threads in [1, 2] {
             let pool = ThreadPool::new(threads);
             let layout = AttnLayout::dense(n_ctx, hd);
@@ -707,7 +708,6 @@ mod tests {
                 let mut one = vec![0f32; row];
                 let qt = &q[t * row..(t + 1) * row];
                 run(qt, pos0 + t, &mut one);
-                let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
                     bits(&one),
                     bits(&batch[t * row..(t + 1) * row]),
@@ -744,7 +744,6 @@ mod tests {
             }
             let mut again = vec![0f32; q.len()];
             run(&q, pos0, &mut again);
-            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&again), bits(&batch), "the batch after single tokens");
         }
     }
