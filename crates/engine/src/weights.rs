@@ -196,7 +196,8 @@ pub(crate) struct TensorRef {
 /// remembers which tensors were bound so leftovers can be reported.
 /// Also packs every Q4_1, Q8_0, Q5_0, Q4_K and Q6_K matrix into the layout the
 /// fast path runs ([`WeightMatrix::pack_f2`]): a copy the size of those tensors
-/// (Q5_0 as Q8_0, the K-quants with f32 scales: 1.1-1.5 times), so the fast
+/// (Q5_0 as Q8_0 where the kernel tier runs it so, the K-quants with f32
+/// scales: 1.3-1.55 times), so the fast
 /// path never reads the mapped blocks, whose pages are then dropped from the
 /// resident set (the other precisions and the embedding lookup fault back in
 /// what they read).

@@ -1,6 +1,7 @@
 //! 16-bit activations: the fast path's order ("F2") for Q4_1 and Q8_0 weights,
-//! the formats of the default model, and for Q4_K and Q6_K weights resolved at
-//! load into blocks of 32 with f32 scales ([`SubQ4K`], [`SubQ6K`]).
+//! the formats of the default model, for Q5_0 weights, and for Q4_K and Q6_K
+//! weights resolved at load into blocks of 32 with f32 scales ([`SubQ4K`],
+//! [`SubQ6K`]).
 //!
 //! Each activation row is rounded per block of 32 to 16-bit integers, `x ≈ s·q`
 //! with `s = amax / 32767`: an error of at most 1/65534 of the block's largest
@@ -12,8 +13,8 @@
 //! AVX2.
 //!
 //! The order, for one weight row against one activation row, block `b` holding
-//! weight quants `w[j]` (Q4_1 and Q4_K nibbles 0..=15, Q8_0 bytes, Q6_K's
-//! `q - 32`) and activation quants `x[j]`, `j` in `0..32`:
+//! weight quants `w[j]` (Q4_1 and Q4_K nibbles 0..=15, Q8_0 bytes, Q5_0's
+//! `q - 16`, Q6_K's `q - 32`) and activation quants `x[j]`, `j` in `0..32`:
 //! 1. Eight exact integer lane sums: lane `l` is `Σ w[j]·x[j]` over
 //!    `j` in `4l..4l+4` (the pairs `vpmaddwd` forms over the block's even and
 //!    odd elements, then added).
@@ -36,6 +37,7 @@
 use crate::f16::fp16_to_fp32;
 use crate::f32::reduce_lanes;
 use crate::q4_1::BlockQ4_1;
+use crate::q5_0::BlockQ5_0;
 use crate::q8_0::BlockQ8_0;
 
 /// Elements per activation block.
@@ -220,6 +222,7 @@ pub(crate) fn check_quantize(x: usize, q: usize, scale: usize, sum: usize) {
 pub enum F2Kind {
     Q4_1,
     Q8_0,
+    Q5_0,
     /// [`SubQ4K`], from Q4_K.
     Q4K,
     /// [`SubQ6K`], from Q6_K.
@@ -228,7 +231,7 @@ pub enum F2Kind {
 
 /// A weight block order F2 runs: its 32 quants in element order, its scale per
 /// lane, `m` for formats with a minimum, and how [`F2Matrix`] stores it. The
-/// GGUF blocks Q4_1 and Q8_0 as they are; Q4_K and Q6_K as [`SubQ4K`] and
+/// GGUF blocks Q4_1, Q8_0 and Q5_0 as they are; Q4_K and Q6_K as [`SubQ4K`] and
 /// [`SubQ6K`], their sub-blocks of 32 with the scales resolved to f32.
 pub trait F2Block: bytemuck::Pod + sealed::Sealed {
     /// The matrix kind of these blocks.
@@ -273,6 +276,7 @@ mod sealed {
     pub trait Sealed {}
     impl Sealed for crate::q4_1::BlockQ4_1 {}
     impl Sealed for crate::q8_0::BlockQ8_0 {}
+    impl Sealed for crate::q5_0::BlockQ5_0 {}
     impl Sealed for super::SubQ4K {}
     impl Sealed for super::SubQ6K {}
 }
@@ -334,6 +338,42 @@ impl F2Block for BlockQ8_0 {
             qs: [0; 32],
         };
         b.qs.copy_from_slice(bytemuck::cast_slice(qs));
+        b
+    }
+}
+
+/// Q5_0 as stored: the quants are its fifth bits `qh` then its nibbles `qs`
+/// (20 bytes against the 34 of the Q8_0 block holding the same values; decode
+/// reads the weights once per token, so the bytes are its time).
+impl F2Block for BlockQ5_0 {
+    const KIND: F2Kind = F2Kind::Q5_0;
+    const HAS_MIN: bool = false;
+    const QUANT_BYTES: usize = 20;
+    fn quants(&self) -> [i32; QK_ACT16] {
+        let qh = u32::from_le_bytes(self.qh);
+        let low = nibble_quants(&self.qs);
+        std::array::from_fn(|j| (low[j] | (((qh >> j) & 1) << 4) as i32) - 16)
+    }
+    fn scale(&self, _lane: usize) -> f32 {
+        fp16_to_fp32(self.d)
+    }
+    fn min(&self) -> f32 {
+        0.0
+    }
+    fn head(&self, _k: usize) -> [u8; 4] {
+        f16_head(self.d)
+    }
+    fn quant_bytes(&self) -> &[u8] {
+        &bytemuck::bytes_of(self)[2..]
+    }
+    fn from_parts(heads: [[u8; 4]; 2], qs: &[u8]) -> Self {
+        let mut b = BlockQ5_0 {
+            d: [heads[0][0], heads[0][1]],
+            qh: [0; 4],
+            qs: [0; 16],
+        };
+        b.qh.copy_from_slice(&qs[..4]);
+        b.qs.copy_from_slice(&qs[4..]);
         b
     }
 }
@@ -678,6 +718,11 @@ pub fn gemm_q4_k_ref(w: &[SubQ4K], acts: &Act16, out: &mut [f32]) {
 ///
 /// # Panics
 /// As [`gemm_q4_1_ref`].
+pub fn gemm_q5_0_ref(w: &[BlockQ5_0], acts: &Act16, out: &mut [f32]) {
+    gemm_ref(w, acts, out)
+}
+
+/// As [`gemm_q4_1_ref`].
 pub fn gemm_q6_k_ref(w: &[SubQ6K], acts: &Act16, out: &mut [f32]) {
     gemm_ref(w, acts, out)
 }
@@ -743,6 +788,12 @@ pub fn gemm_q4_1(w: F2Rows<'_, BlockQ4_1>, acts: &Act16, out: &mut [f32]) {
 #[inline]
 pub fn gemm_q8_0(w: F2Rows<'_, BlockQ8_0>, acts: &Act16, out: &mut [f32]) {
     (crate::kernels().gemm_q8_0_act16)(w, acts, out)
+}
+
+/// [`gemm_q5_0_ref`] on packed rows, by the selected tier.
+#[inline]
+pub fn gemm_q5_0(w: F2Rows<'_, BlockQ5_0>, acts: &Act16, out: &mut [f32]) {
+    (crate::kernels().gemm_q5_0_act16)(w, acts, out)
 }
 
 /// [`gemm_q4_k_ref`] on packed rows, by the selected tier.
@@ -875,6 +926,32 @@ mod tests {
         for (out, wd) in [(&o4, &d4), (&o8, &d8)] {
             assert_close_to_f64(out, wd, &x, n);
         }
+    }
+
+    /// Q5_0 blocks give bit for bit what the Q8_0 blocks holding their values
+    /// give (the layout the fast path ran Q5_0 from before it ran it natively),
+    /// and its packed rows read back as the blocks they were packed from.
+    #[test]
+    fn q5_0_products_are_those_of_its_q8_0_values() {
+        let mut rng = XorShift::new(23);
+        let (n, rows, toks) = (32 * 10, 3, 2);
+        let wf = rng.vec_weights(n * rows, 0.05);
+        let x = rng.vec_uniform(n * toks, -2.0, 2.0);
+        let a = quantized(&x, n);
+        let mut q5 = vec![BlockQ5_0::zeroed(); wf.len() / 32];
+        crate::q5_0::quantize_row_ref(&wf, &mut q5);
+        let (mut o5, mut o8) = (vec![0.0; rows * toks], vec![0.0; rows * toks]);
+        gemm_q5_0_ref(&q5, &a, &mut o5);
+        gemm_q8_0_ref(&crate::q5_0::to_q8_0(&q5), &a, &mut o8);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&o5), bits(&o8));
+        let packed = F2Matrix::pack(&q5, n / 32);
+        let mut op = vec![0.0; rows * toks];
+        gemm_packed_ref(packed.rows::<BlockQ5_0>(0..rows), &a, &mut op);
+        assert_eq!(bits(&op), bits(&o5));
+        let mut d5 = vec![0.0; wf.len()];
+        crate::q5_0::dequantize_row(&q5, &mut d5);
+        assert_close_to_f64(&o5, &d5, &x, n);
     }
 
     /// `out[t·rows + r]` against the f64 dot product of dequantized row `r` of

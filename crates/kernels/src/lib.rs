@@ -75,6 +75,11 @@ pub const QK_K: usize = 256;
 pub(crate) struct Kernels {
     /// The tier's name, as [`kernel_tier`] reports it and `DS4_KERNELS` takes it.
     pub(crate) tier: &'static str,
+    /// Whether [`matmul::WeightMatrix::pack_f2`] keeps Q5_0 blocks as they are (run by
+    /// `gemm_q5_0_act16`) rather than as the Q8_0 blocks holding their values
+    /// (by `gemm_q8_0_act16`, the same results from 1.55 times the bytes):
+    /// each tier takes what runs faster on it.
+    pub(crate) q5_0_native: bool,
     /// [`q4_0::vec_dot_q4_0_q8_0`].
     pub(crate) vec_dot_q4_0_q8_0: fn(&[q4_0::BlockQ4_0], &[BlockQ8_0]) -> f32,
     /// [`q4_1::vec_dot_q4_1_q8_0`].
@@ -120,6 +125,8 @@ pub(crate) struct Kernels {
     pub(crate) gemm_q4_1_act16: GemmF2Fn<q4_1::BlockQ4_1>,
     /// [`act16::gemm_q8_0_ref`] on rows packed as [`act16::F2Matrix`].
     pub(crate) gemm_q8_0_act16: GemmF2Fn<BlockQ8_0>,
+    /// [`act16::gemm_q5_0_ref`] on rows packed as [`act16::F2Matrix`].
+    pub(crate) gemm_q5_0_act16: GemmF2Fn<q5_0::BlockQ5_0>,
     /// [`act16::gemm_q4_k_ref`] on rows packed as [`act16::F2Matrix`].
     pub(crate) gemm_q4_k_act16: GemmF2Fn<act16::SubQ4K>,
     /// [`act16::gemm_q6_k_ref`] on rows packed as [`act16::F2Matrix`].
@@ -194,6 +201,7 @@ pub type AttnGroupFn<T> =
 /// The scalar references: the lowest tier, available everywhere.
 pub(crate) static SCALAR: Kernels = Kernels {
     tier: "scalar",
+    q5_0_native: true,
     vec_dot_q4_0_q8_0: q4_0::vec_dot_q4_0_q8_0,
     vec_dot_q4_1_q8_0: q4_1::vec_dot_q4_1_q8_0,
     vec_dot_q5_0_q8_0: q5_0::vec_dot_q5_0_q8_0,
@@ -216,6 +224,7 @@ pub(crate) static SCALAR: Kernels = Kernels {
     quantize_act16: act16::quantize_row_ref,
     gemm_q4_1_act16: act16::gemm_packed_ref::<q4_1::BlockQ4_1>,
     gemm_q8_0_act16: act16::gemm_packed_ref::<BlockQ8_0>,
+    gemm_q5_0_act16: act16::gemm_packed_ref::<q5_0::BlockQ5_0>,
     gemm_q4_k_act16: act16::gemm_packed_ref::<act16::SubQ4K>,
     gemm_q6_k_act16: act16::gemm_packed_ref::<act16::SubQ6K>,
     vec_dot_q4_k_q8_k: q4_k::vec_dot_q4_K_q8_K,

@@ -7,6 +7,7 @@ use std::cell::RefCell;
 use crate::act16::{Act16, F2Kind, F2Matrix, SubQ4K, SubQ6K};
 use crate::pool::ThreadPool;
 use crate::q4_1::BlockQ4_1;
+use crate::q5_0::BlockQ5_0;
 use crate::q8_0::BlockQ8_0;
 #[cfg(test)]
 use crate::vec_dot;
@@ -39,9 +40,10 @@ impl<'a> WeightMatrix<'a> {
 
     /// The layout [`matmul_fast`] runs a Q4_1, Q8_0, Q5_0, Q4_K or Q6_K matrix
     /// from (order F2, [`F2Matrix`]): built once, at load, and attached by
-    /// [`Self::with_f2`]. A Q5_0 matrix is laid out as the Q8_0 blocks holding
-    /// exactly its values ([`crate::q5_0::to_q8_0`]), so it runs through the
-    /// Q8_0 kernels; Q4_K and Q6_K as their sub-blocks of 32 with f32 scales
+    /// [`Self::with_f2`]. Q4_1 and Q8_0 blocks keep their bytes; Q5_0 blocks
+    /// too on a tier that runs them fast, else they become the Q8_0 blocks
+    /// holding exactly their values (the same results, from 1.55 times the
+    /// bytes); Q4_K and Q6_K as their sub-blocks of 32 with f32 scales
     /// ([`SubQ4K`], [`SubQ6K`]: 1.33 and 1.52 times their bytes). `None` for
     /// the other formats, which it runs from `data`.
     pub fn pack_f2(&self) -> Option<F2Matrix> {
@@ -50,6 +52,9 @@ impl<'a> WeightMatrix<'a> {
         match self.fmt {
             WeightFormat::Q4_1 => Some(F2Matrix::pack::<BlockQ4_1>(cast_rows(self, data), nb)),
             WeightFormat::Q8_0 => Some(F2Matrix::pack::<BlockQ8_0>(cast_rows(self, data), nb)),
+            WeightFormat::Q5_0 if crate::kernels().q5_0_native => {
+                Some(F2Matrix::pack::<BlockQ5_0>(cast_rows(self, data), nb))
+            }
             WeightFormat::Q5_0 => {
                 let q8 = crate::q5_0::to_q8_0(cast_rows(self, data));
                 Some(F2Matrix::pack(&q8, nb))
@@ -361,6 +366,7 @@ pub fn matmul_fast(
 fn f2_kind(fmt: WeightFormat) -> Option<F2Kind> {
     match fmt {
         WeightFormat::Q4_1 => Some(F2Kind::Q4_1),
+        WeightFormat::Q5_0 if crate::kernels().q5_0_native => Some(F2Kind::Q5_0),
         WeightFormat::Q8_0 | WeightFormat::Q5_0 => Some(F2Kind::Q8_0),
         WeightFormat::Q4_K => Some(F2Kind::Q4K),
         WeightFormat::Q6_K => Some(F2Kind::Q6K),
@@ -382,6 +388,7 @@ fn act16_rows(w: &WeightMatrix<'_>, acts: &Act16, rows: std::ops::Range<usize>, 
     batched_rows(w, acts.rows(), rows.clone(), out, |local| match f2.kind() {
         F2Kind::Q4_1 => crate::act16::gemm_q4_1(f2.rows(rows), acts, local),
         F2Kind::Q8_0 => crate::act16::gemm_q8_0(f2.rows(rows), acts, local),
+        F2Kind::Q5_0 => crate::act16::gemm_q5_0(f2.rows(rows), acts, local),
         F2Kind::Q4K => crate::act16::gemm_q4_k(f2.rows(rows), acts, local),
         F2Kind::Q6K => crate::act16::gemm_q6_k(f2.rows(rows), acts, local),
     });

@@ -65,8 +65,8 @@ pub fn dequantize_row(x: &[BlockQ5_0], y: &mut [f32]) {
 
 /// The same values as Q8_0 blocks, exactly: a Q5_0 element is `d·(q - 16)`
 /// with `q - 16` in `-16..=15`, which a Q8_0 block of the same f16 `d` holds
-/// as its quant. (What the fast path runs Q5_0 matrices from, through the
-/// Q8_0 kernels.)
+/// as its quant (the tests check the fast path's Q5_0 products against the
+/// Q8_0 ones on these blocks).
 pub fn to_q8_0(x: &[BlockQ5_0]) -> Vec<BlockQ8_0> {
     x.iter()
         .map(|b| {

@@ -825,7 +825,8 @@ fn act16_quantization_is_bit_identical_on_every_tier() {
 #[test]
 fn act16_products_are_bit_identical_on_every_tier() {
     use crate::act16::{
-        gemm_q4_1_ref, gemm_q4_k_ref, gemm_q6_k_ref, gemm_q8_0_ref, Act16, F2Matrix, SubQ4K, SubQ6K,
+        gemm_q4_1_ref, gemm_q4_k_ref, gemm_q5_0_ref, gemm_q6_k_ref, gemm_q8_0_ref, Act16, F2Matrix,
+        SubQ4K, SubQ6K,
     };
     // A K-quant sub-block's f32 heads: an f16 scale times a 6-bit (Q4_K) or
     // 8-bit signed (Q6_K) integer, as the conversion forms them.
@@ -859,6 +860,7 @@ fn act16_products_are_bit_identical_on_every_tier() {
                 let n = nb * QK8_0;
                 let w4: Vec<BlockQ4_1> = random_blocks(&mut rng, nb * n_rows, 2, how);
                 let w8: Vec<BlockQ8_0> = random_blocks(&mut rng, nb * n_rows, 1, how);
+                let w5: Vec<BlockQ5_0> = random_blocks(&mut rng, nb * n_rows, 1, how);
                 let mut quantized = Act16::default();
                 quantized.quantize(&activations(&mut rng, n * n_tok), n);
                 let raw = Act16::from_parts(
@@ -880,6 +882,7 @@ fn act16_products_are_bit_identical_on_every_tier() {
                     b.d2 = f32_head(&mut rng, how, |b| f32::from(b as i8));
                 }
                 let (p4, p8) = (F2Matrix::pack(&w4, nb), F2Matrix::pack(&w8, nb));
+                let p5 = F2Matrix::pack(&w5, nb);
                 let (p4k, p6k) = (F2Matrix::pack(&w4k, nb), F2Matrix::pack(&w6k, nb));
                 // All rows, and all but the first (a unit of rows mid-matrix).
                 for first in [0, 1.min(n_rows - 1)] {
@@ -889,6 +892,8 @@ fn act16_products_are_bit_identical_on_every_tier() {
                         let mut want8 = vec![0.0; rows * n_tok];
                         gemm_q4_1_ref(&w4[first * nb..], acts, &mut want4);
                         gemm_q8_0_ref(&w8[first * nb..], acts, &mut want8);
+                        let mut want5 = vec![0.0; rows * n_tok];
+                        gemm_q5_0_ref(&w5[first * nb..], acts, &mut want5);
                         let mut want4k = vec![0.0; rows * n_tok];
                         let mut want6k = vec![0.0; rows * n_tok];
                         gemm_q4_k_ref(&w4k[first * nb..], acts, &mut want4k);
@@ -903,6 +908,8 @@ fn act16_products_are_bit_identical_on_every_tier() {
                             assert_eq!(bits(&got), bits(&want4), "q4_1 {case}");
                             (k.gemm_q8_0_act16)(p8.rows(first..n_rows), acts, &mut got);
                             assert_eq!(bits(&got), bits(&want8), "q8_0 {case}");
+                            (k.gemm_q5_0_act16)(p5.rows(first..n_rows), acts, &mut got);
+                            assert_eq!(bits(&got), bits(&want5), "q5_0 {case}");
                             (k.gemm_q4_k_act16)(p4k.rows(first..n_rows), acts, &mut got);
                             assert_eq!(bits(&got), bits(&want4k), "q4_K {case}");
                             (k.gemm_q6_k_act16)(p6k.rows(first..n_rows), acts, &mut got);
@@ -1303,6 +1310,9 @@ fn bench_fast() {
             crate::act16::F2Matrix::pack(&w4, nb),
             crate::act16::F2Matrix::pack(&w8, nb),
         );
+        let w5: Vec<BlockQ5_0> = random_blocks(&mut rng, nb * n_out, 1, Scales::Typical);
+        let p5 = crate::act16::F2Matrix::pack(&w5, nb);
+        let p58 = crate::act16::F2Matrix::pack(&q5_0::to_q8_0(&w5), nb);
         let mut y8 = vec![BlockQ8_0::ZERO; nb];
         q8_0::quantize_row_ref(&x, &mut y8);
         // The batched products: 64 tokens, F1 tiles over 8 panels of 12 dequantized
@@ -1370,6 +1380,25 @@ fn bench_fast() {
                 "{n_in}x{n_out} [{}] F2 q4_1, few tokens (tokens: us per call): {}",
                 k.tier,
                 small.join(", ")
+            );
+            // Q5_0 as it is against the Q8_0 blocks holding its values (what
+            // the fast path ran it from before).
+            let (one5, one58) = (
+                best_ns(|| (k.gemm_q5_0_act16)(black_box(p5.rows(0..n_out)), &a1, &mut out)),
+                best_ns(|| (k.gemm_q8_0_act16)(black_box(p58.rows(0..n_out)), &a1, &mut out)),
+            );
+            let (pre5, pre58) = (
+                best_ns(|| (k.gemm_q5_0_act16)(black_box(p5.rows(0..rows_p)), &a256, &mut o256)),
+                best_ns(|| (k.gemm_q8_0_act16)(black_box(p58.rows(0..rows_p)), &a256, &mut o256)),
+            );
+            println!(
+                "{n_in}x{n_out} [{}] F2 q5_0 / as q8_0: one token {:.1} / {:.1} us, \
+                 {toks_p} tokens {:.2} / {:.2} MAC/ns",
+                k.tier,
+                one5 / 1e3,
+                one58 / 1e3,
+                (rows_p * toks_p * n_in) as f64 / pre5,
+                (rows_p * toks_p * n_in) as f64 / pre58
             );
             let f2 = best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..rows)), &a64, &mut o64));
             let f2p =

@@ -27,10 +27,14 @@ mod serial;
 /// The AVX-512 tier.
 pub(super) static KERNELS: Kernels = Kernels {
     tier: "avx512",
+    // Q5_0's fifth bits are one mask register, so its blocks run as fast as
+    // Q8_0's (prefill) or read 35% fewer bytes (decode; Gemma 3 tg128 +5-12%).
+    q5_0_native: true,
     // Order F2 (the fast path's Q4_1/Q8_0 products) and its activation rounding.
     quantize_act16: act16::quantize_act16,
     gemm_q4_1_act16: act16::gemm_act16::<BlockQ4_1>,
     gemm_q8_0_act16: act16::gemm_act16::<BlockQ8_0>,
+    gemm_q5_0_act16: act16::gemm_act16::<crate::q5_0::BlockQ5_0>,
     gemm_q4_k_act16: act16::gemm_act16::<crate::act16::SubQ4K>,
     gemm_q6_k_act16: act16::gemm_act16::<crate::act16::SubQ6K>,
     // Attention, and order F1's tiles.

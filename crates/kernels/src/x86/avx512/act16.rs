@@ -30,6 +30,7 @@ use super::super::avx2::{f2_heads, Prefetch};
 use super::reduce_pairs;
 use crate::act16::{Act16, Act16Row, F2Block, F2Rows, SubQ4K, SubQ6K, ACT16_MAX, CHUNK, QK_ACT16};
 use crate::q4_1::BlockQ4_1;
+use crate::q5_0::BlockQ5_0;
 use crate::q8_0::BlockQ8_0;
 
 /// `vpshufb` indices that widen quant bytes to 16-bit words with every 32-bit
@@ -149,31 +150,98 @@ impl Block16x2 for BlockQ8_0 {
     #[inline(always)]
     unsafe fn quants_dup(q: *const u8) -> [__m512i; 2] {
         // SAFETY: `q` is 32 readable bytes; AVX-512 as above.
-        unsafe {
-            // Lanes [bytes 0..16, bytes 0..16, bytes 16..32, bytes 16..32]; each
-            // byte shuffled into a word's high byte, then sign-extended.
-            let q = _mm512_castsi256_si512(_mm256_loadu_si256(q.cast()));
-            let q = _mm512_shuffle_i64x2::<0x50>(q, q);
-            [
-                _mm512_srai_epi16::<8>(_mm512_shuffle_epi8(q, const { dup_pairs(false, true) })),
-                _mm512_srai_epi16::<8>(_mm512_shuffle_epi8(q, const { dup_pairs(true, true) })),
-            ]
-        }
+        signed_dup(unsafe { _mm256_loadu_si256(q.cast()) })
     }
 
     #[inline(always)]
     unsafe fn quants_halves(q0: *const u8, q1: *const u8) -> [__m512i; 2] {
         // SAFETY: `q0` and `q1` are 32 readable bytes each; AVX-512 as above.
         unsafe {
-            let q = _mm512_inserti64x4::<1>(
+            signed_halves(_mm512_inserti64x4::<1>(
                 _mm512_castsi256_si512(_mm256_loadu_si256(q0.cast())),
                 _mm256_loadu_si256(q1.cast()),
-            );
-            [
-                _mm512_srai_epi16::<8>(_mm512_slli_epi16::<8>(q)),
-                _mm512_srai_epi16::<8>(q),
-            ]
+            ))
         }
+    }
+}
+
+impl Block16x2 for BlockQ5_0 {
+    #[inline(always)]
+    unsafe fn quants_dup(q: *const u8) -> [__m512i; 2] {
+        // SAFETY: `q` is 20 readable bytes (`qh`, then `qs`); AVX-512 as above.
+        unsafe {
+            let qh = std::ptr::read_unaligned(q.cast::<u32>());
+            let nib = _mm512_castsi512_si256(nibbles_in_order(q.add(4), q.add(4)));
+            // `q - 16` is the nibble minus 16 where the fifth bit is clear.
+            signed_dup(_mm256_mask_sub_epi8(
+                nib,
+                !u32::from_le(qh),
+                nib,
+                _mm256_set1_epi8(16),
+            ))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn quants_halves(q0: *const u8, q1: *const u8) -> [__m512i; 2] {
+        // SAFETY: `q0` and `q1` are 20 readable bytes each; AVX-512 as above.
+        unsafe {
+            let qh =
+                |q: *const u8| u64::from(u32::from_le(std::ptr::read_unaligned(q.cast::<u32>())));
+            let high = qh(q0) | qh(q1) << 32;
+            let nib = nibbles_in_order(q0.add(4), q1.add(4));
+            signed_halves(_mm512_mask_sub_epi8(nib, !high, nib, _mm512_set1_epi8(16)))
+        }
+    }
+}
+
+/// Signed bytes in element order (32) as i16 with every 32-bit pair
+/// duplicated, as [`Block16x2::quants_dup`].
+#[inline(always)]
+fn signed_dup(q: __m256i) -> [__m512i; 2] {
+    // SAFETY: register operations; the callers run with AVX-512 F/BW enabled.
+    unsafe {
+        // Lanes [bytes 0..16, bytes 0..16, bytes 16..32, bytes 16..32]; each
+        // byte shuffled into a word's high byte, then sign-extended.
+        let q = _mm512_castsi256_si512(q);
+        let q = _mm512_shuffle_i64x2::<0x50>(q, q);
+        [
+            _mm512_srai_epi16::<8>(_mm512_shuffle_epi8(q, const { dup_pairs(false, true) })),
+            _mm512_srai_epi16::<8>(_mm512_shuffle_epi8(q, const { dup_pairs(true, true) })),
+        ]
+    }
+}
+
+/// Two blocks' signed bytes in element order, one per 256-bit half, as i16
+/// words: the even elements, then the odd ([`Block16x2::quants_halves`]).
+#[inline(always)]
+fn signed_halves(q: __m512i) -> [__m512i; 2] {
+    // SAFETY: register operations; the callers run with AVX-512 F/BW enabled.
+    unsafe {
+        [
+            _mm512_srai_epi16::<8>(_mm512_slli_epi16::<8>(q)),
+            _mm512_srai_epi16::<8>(q),
+        ]
+    }
+}
+
+/// The nibbles of the 16 bytes at `q0` (low 256-bit half) and at `q1` (high
+/// half) as bytes in element order: low nibbles elements 0..16, high ones 16..32.
+///
+/// # Safety
+/// `q0` and `q1` point at 16 readable bytes each; the CPU has AVX-512 F/BW.
+#[inline(always)]
+unsafe fn nibbles_in_order(q0: *const u8, q1: *const u8) -> __m512i {
+    // SAFETY: the caller's guarantees.
+    unsafe {
+        let lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(q0.cast()));
+        let hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(q1.cast()));
+        let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+        let q = _mm512_srlv_epi32(
+            q,
+            _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4),
+        );
+        _mm512_and_si512(q, _mm512_set1_epi8(0x0F))
     }
 }
 
