@@ -714,7 +714,7 @@ pub fn gemm_q4_k_ref(w: &[SubQ4K], acts: &Act16, out: &mut [f32]) {
     gemm_ref(w, acts, out)
 }
 
-/// [`gemm_q4_1_ref`] for Q6_K rows resolved into [`SubQ6K`]s.
+/// [`gemm_q4_1_ref`] for Q5_0 rows.
 ///
 /// # Panics
 /// As [`gemm_q4_1_ref`].
@@ -722,6 +722,9 @@ pub fn gemm_q5_0_ref(w: &[BlockQ5_0], acts: &Act16, out: &mut [f32]) {
     gemm_ref(w, acts, out)
 }
 
+/// [`gemm_q4_1_ref`] for Q6_K rows resolved into [`SubQ6K`]s.
+///
+/// # Panics
 /// As [`gemm_q4_1_ref`].
 pub fn gemm_q6_k_ref(w: &[SubQ6K], acts: &Act16, out: &mut [f32]) {
     gemm_ref(w, acts, out)
