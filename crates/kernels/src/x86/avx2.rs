@@ -1461,10 +1461,7 @@ impl Block16 for BlockQ4_1 {
     unsafe fn quants16(q: *const u8) -> [__m256i; 2] {
         // SAFETY: `q` is 16 readable bytes; the caller guarantees AVX2.
         unsafe {
-            // Both halves hold the 16 bytes; the high half shifted by a nibble, so
-            // that byte j's low nibble there is its high one (element 16 + j).
-            let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(q.cast()));
-            let q = _mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+            let q = nibble_halves(q);
             let low = _mm256_set1_epi16(0x0F);
             [
                 _mm256_and_si256(q, low),
@@ -1487,10 +1484,9 @@ impl Block16 for BlockQ5_0 {
     unsafe fn quants16(q: *const u8) -> [__m256i; 2] {
         // SAFETY: `q` is 20 readable bytes (`qh`, then `qs`); AVX2 as above.
         unsafe {
-            let qh = u32::from_le_bytes(std::ptr::read_unaligned(q.cast::<[u8; 4]>()));
             let nib = nibbles_in_order(q.add(4));
             // `q - 16` is the nibble minus 16 where the fifth bit is clear.
-            let clear = _mm256_andnot_si256(bytes_from_bits(qh), _mm256_set1_epi8(16));
+            let clear = _mm256_andnot_si256(bytes_from_bits(fifth_bits(q)), _mm256_set1_epi8(16));
             signed_words(_mm256_sub_epi8(nib, clear))
         }
     }
@@ -1508,19 +1504,40 @@ fn signed_words(q: __m256i) -> [__m256i; 2] {
     }
 }
 
-/// The 32 nibbles of the 16 bytes at `q` (low nibbles elements 0..16, high
-/// ones 16..32) as bytes in element order.
+/// The 16 bytes at `q` in both 128-bit halves, the high half shifted by a
+/// nibble: byte `j`'s low nibble is element `j` in the low half and element
+/// `16 + j` (its high nibble) in the high one (Q4_1's and Q5_0's packing).
 ///
 /// # Safety
 /// `q` points at 16 readable bytes; the CPU has AVX2.
 #[inline(always)]
-unsafe fn nibbles_in_order(q: *const u8) -> __m256i {
+unsafe fn nibble_halves(q: *const u8) -> __m256i {
     // SAFETY: the caller's guarantees.
     unsafe {
         let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(q.cast()));
-        let q = _mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
-        _mm256_and_si256(q, _mm256_set1_epi8(0x0F))
+        _mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4))
     }
+}
+
+/// The 32 nibbles of the 16 bytes at `q` as bytes in element order.
+///
+/// # Safety
+/// As [`nibble_halves`].
+#[inline(always)]
+pub(super) unsafe fn nibbles_in_order(q: *const u8) -> __m256i {
+    // SAFETY: the caller's guarantees.
+    unsafe { _mm256_and_si256(nibble_halves(q), _mm256_set1_epi8(0x0F)) }
+}
+
+/// A Q5_0 block's fifth bits (bit `i` of element `i`), the first 4 of the
+/// quant bytes at `q`.
+///
+/// # Safety
+/// `q` points at 4 readable bytes.
+#[inline(always)]
+pub(super) unsafe fn fifth_bits(q: *const u8) -> u32 {
+    // SAFETY: the caller's guarantees; `read_unaligned` has no alignment requirement.
+    u32::from_le_bytes(unsafe { std::ptr::read_unaligned(q.cast::<[u8; 4]>()) })
 }
 
 impl Block16 for SubQ4K {

@@ -26,7 +26,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::avx2::{f2_heads, Prefetch};
+use super::super::avx2::{f2_heads, fifth_bits, nibbles_in_order, Prefetch};
 use super::reduce_pairs;
 use crate::act16::{Act16, Act16Row, F2Block, F2Rows, SubQ4K, SubQ6K, ACT16_MAX, CHUNK, QK_ACT16};
 use crate::q4_1::BlockQ4_1;
@@ -127,16 +127,9 @@ impl Block16x2 for BlockQ4_1 {
     unsafe fn quants_halves(q0: *const u8, q1: *const u8) -> [__m512i; 2] {
         // SAFETY: `q0` and `q1` are 16 readable bytes each; AVX-512 as above.
         unsafe {
-            // As the 256-bit tier: each half holds its block twice, the high
-            // copy shifted by a nibble, so that the low nibbles of the 16-bit
-            // words are the even elements and those of their high bytes the odd.
-            let lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(q0.cast()));
-            let hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(q1.cast()));
-            let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-            let q = _mm512_srlv_epi32(
-                q,
-                _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4),
-            );
+            // The low nibbles of the 16-bit words are the even elements and
+            // those of their high bytes the odd.
+            let q = nibble_halves(q0, q1);
             let low = _mm512_set1_epi16(0x0F);
             [
                 _mm512_and_si512(q, low),
@@ -170,12 +163,11 @@ impl Block16x2 for BlockQ5_0 {
     unsafe fn quants_dup(q: *const u8) -> [__m512i; 2] {
         // SAFETY: `q` is 20 readable bytes (`qh`, then `qs`); AVX-512 as above.
         unsafe {
-            let qh = std::ptr::read_unaligned(q.cast::<u32>());
-            let nib = _mm512_castsi512_si256(nibbles_in_order(q.add(4), q.add(4)));
+            let nib = nibbles_in_order(q.add(4));
             // `q - 16` is the nibble minus 16 where the fifth bit is clear.
             signed_dup(_mm256_mask_sub_epi8(
                 nib,
-                !u32::from_le(qh),
+                !fifth_bits(q),
                 nib,
                 _mm256_set1_epi8(16),
             ))
@@ -186,10 +178,8 @@ impl Block16x2 for BlockQ5_0 {
     unsafe fn quants_halves(q0: *const u8, q1: *const u8) -> [__m512i; 2] {
         // SAFETY: `q0` and `q1` are 20 readable bytes each; AVX-512 as above.
         unsafe {
-            let qh =
-                |q: *const u8| u64::from(u32::from_le(std::ptr::read_unaligned(q.cast::<u32>())));
-            let high = qh(q0) | qh(q1) << 32;
-            let nib = nibbles_in_order(q0.add(4), q1.add(4));
+            let high = u64::from(fifth_bits(q0)) | u64::from(fifth_bits(q1)) << 32;
+            let nib = _mm512_and_si512(nibble_halves(q0.add(4), q1.add(4)), _mm512_set1_epi8(0x0F));
             signed_halves(_mm512_mask_sub_epi8(nib, !high, nib, _mm512_set1_epi8(16)))
         }
     }
@@ -225,23 +215,23 @@ fn signed_halves(q: __m512i) -> [__m512i; 2] {
     }
 }
 
-/// The nibbles of the 16 bytes at `q0` (low 256-bit half) and at `q1` (high
-/// half) as bytes in element order: low nibbles elements 0..16, high ones 16..32.
+/// The 256-bit tier's nibble halves of the 16 bytes at `q0` (low 256-bit
+/// half) and of those at `q1` (high half): in each, byte `j`'s low nibble is
+/// element `j` of its block in the low 128 bits and element `16 + j` in the high.
 ///
 /// # Safety
-/// `q0` and `q1` point at 16 readable bytes each; the CPU has AVX-512 F/BW.
+/// `q0` and `q1` point at 16 readable bytes each; the CPU has AVX-512 F.
 #[inline(always)]
-unsafe fn nibbles_in_order(q0: *const u8, q1: *const u8) -> __m512i {
+unsafe fn nibble_halves(q0: *const u8, q1: *const u8) -> __m512i {
     // SAFETY: the caller's guarantees.
     unsafe {
         let lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(q0.cast()));
         let hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(q1.cast()));
         let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-        let q = _mm512_srlv_epi32(
+        _mm512_srlv_epi32(
             q,
             _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4),
-        );
-        _mm512_and_si512(q, _mm512_set1_epi8(0x0F))
+        )
     }
 }
 
