@@ -49,26 +49,17 @@ impl<'a> WeightMatrix<'a> {
     pub fn pack_f2(&self) -> Option<F2Matrix> {
         let nb = self.n_in / crate::act16::QK_ACT16;
         let data = self.data;
-        match self.fmt {
-            WeightFormat::Q4_1 => Some(F2Matrix::pack::<BlockQ4_1>(cast_rows(self, data), nb)),
-            WeightFormat::Q8_0 => Some(F2Matrix::pack::<BlockQ8_0>(cast_rows(self, data), nb)),
-            WeightFormat::Q5_0 if crate::kernels().q5_0_native => {
-                Some(F2Matrix::pack::<BlockQ5_0>(cast_rows(self, data), nb))
+        // The kind is the one decision (per format, and Q5_0's per tier).
+        Some(match (f2_kind(self.fmt)?, self.fmt) {
+            (F2Kind::Q4_1, _) => F2Matrix::pack::<BlockQ4_1>(cast_rows(self, data), nb),
+            (F2Kind::Q8_0, WeightFormat::Q5_0) => {
+                F2Matrix::pack(&crate::q5_0::to_q8_0(cast_rows(self, data)), nb)
             }
-            WeightFormat::Q5_0 => {
-                let q8 = crate::q5_0::to_q8_0(cast_rows(self, data));
-                Some(F2Matrix::pack(&q8, nb))
-            }
-            WeightFormat::Q4_K => {
-                let sub = SubQ4K::from_q4_k(cast_rows(self, data));
-                Some(F2Matrix::pack(&sub, nb))
-            }
-            WeightFormat::Q6_K => {
-                let sub = SubQ6K::from_q6_k(cast_rows(self, data));
-                Some(F2Matrix::pack(&sub, nb))
-            }
-            _ => None,
-        }
+            (F2Kind::Q8_0, _) => F2Matrix::pack::<BlockQ8_0>(cast_rows(self, data), nb),
+            (F2Kind::Q5_0, _) => F2Matrix::pack::<BlockQ5_0>(cast_rows(self, data), nb),
+            (F2Kind::Q4K, _) => F2Matrix::pack(&SubQ4K::from_q4_k(cast_rows(self, data)), nb),
+            (F2Kind::Q6K, _) => F2Matrix::pack(&SubQ6K::from_q6_k(cast_rows(self, data)), nb),
+        })
     }
 
     /// This matrix with its F2 layout attached.
