@@ -105,12 +105,14 @@ pub struct ServeArgs {
     /// small to open a call on their own (the agent-client tests use it).
     #[arg(long)]
     pub tool_first: bool,
-    /// Prompt tokens a prefilling slot runs per step while other slots
-    /// generate: `auto` (as many as keep such a step within 2.5 times a step
-    /// of the generating slots alone, as measured: their streams slow by that
-    /// much at most while a long cold prompt prefills) or a number (a long cold
-    /// prompt then delays their tokens by one such step). With nothing
-    /// generating it runs whole --prefill-chunk steps.
+    /// How a prompt prefills while other slots generate: `auto` (with two
+    /// threads or more, a long prompt runs in whole chunks on half of them,
+    /// beside the generating slots on the rest; a short one, or any with one
+    /// thread, joins their steps with as many tokens as keep a step within 2.5
+    /// times theirs, as measured) or a number (that many prompt tokens join
+    /// each of their steps: a long cold prompt delays their tokens by one such
+    /// step). With nothing generating it runs whole --prefill-chunk steps on
+    /// every thread.
     #[arg(long, default_value = "auto", value_name = "auto|TOKENS")]
     pub mixed_prefill_quantum: ds4_runtime::PrefillQuantum,
 }

@@ -46,6 +46,18 @@ impl Batch {
     /// [`Session::max_step`]; the rows must fit [`max_rows`](Self::max_rows).
     /// Nothing runs when a check fails.
     pub fn forward(&mut self, steps: &mut [(&mut Session, &[u32])]) -> Result<()> {
+        let pool = Arc::clone(&self.pool);
+        self.forward_on(&pool, steps)
+    }
+
+    /// [`forward`](Self::forward) on the threads of `pool` rather than the
+    /// batch's own (the results are the same on any number of threads): what
+    /// the decoding slots step on while a prefill has the other threads.
+    pub fn forward_on(
+        &mut self,
+        pool: &ThreadPool,
+        steps: &mut [(&mut Session, &[u32])],
+    ) -> Result<()> {
         let fail = |reason: String| Err(EngineError::Batch { reason });
         let Some(precision) = steps.first().map(|(s, _)| s.precision()) else {
             return Ok(());
@@ -88,7 +100,7 @@ impl Batch {
             .collect();
         self.model.family.forward(
             &self.model.weights,
-            &self.pool,
+            pool,
             precision,
             &mut self.scratch,
             &mut seqs,

@@ -15,6 +15,7 @@ mod constrain;
 mod conversations;
 mod generation;
 mod job;
+mod lane;
 mod notice;
 mod persist;
 mod plan;

@@ -4,7 +4,10 @@
 //! weight matrix read once for all rows). A decoding slot feeds one token per
 //! step; a prefilling slot feeds a quantum of its prompt while others decode
 //! (so a long cold prompt never stalls another slot's stream for more than one
-//! quantum), or a whole chunk when nothing decodes. Each sequence's results are
+//! quantum), or a whole chunk when nothing decodes. Under the automatic
+//! quantum with two threads or more, a prompt longer than a quantum goes to the
+//! prefill lane instead (`crate::lane`): whole chunks on half the threads while
+//! the decoders step on the others. Each sequence's results are
 //! bitwise what it gets alone, so batching never changes an answer.
 //!
 //! Slot choice for a job, among idle slots: the one holding the longest
@@ -24,6 +27,7 @@ use ds4_kvstore::SaveReason;
 
 use crate::generation::{Generation, Next};
 use crate::job::{Event, FinishReason, Job, JobError, SubmitError, Usage};
+use crate::lane::{Chunk, Lane, Prefilled, Taken};
 use crate::notice::{Finished, Notice, NoticeSink, Planned};
 use crate::persist::{Persist, StoreUsage};
 use crate::plan::{plan, Held, Plan};
@@ -45,6 +49,7 @@ pub enum PrefillQuantum {
     /// As many as keep a step within [`STALL_FACTOR`] times a step of the
     /// decoding slots alone, as measured (at least one): the decoders'
     /// streams slow by that factor at most, whatever the machine and model.
+    /// With two threads or more a longer prompt runs in the prefill lane.
     Auto,
 }
 
@@ -219,7 +224,12 @@ impl Runtime {
         assert!(!sessions.is_empty(), "a runtime needs at least one slot");
         let model = Arc::clone(sessions[0].model());
         let max_step = sessions.iter().map(Session::max_step).max().unwrap_or(1);
-        let batch = Batch::new(model, pool, sessions.len() * max_step);
+        let threads = pool.n_threads();
+        let split = (cfg.prefill_quantum == PrefillQuantum::Auto && threads >= 2).then(|| {
+            let lane = threads / 2;
+            (Arc::new(ThreadPool::new(threads - lane)), lane)
+        });
+        let batch = Batch::new(Arc::clone(&model), pool, sessions.len() * max_step);
         let capacity = sessions.len() + cfg.queue_max;
         let (tx, rx) = mpsc::sync_channel(capacity);
         let now = Instant::now();
@@ -248,6 +258,7 @@ impl Runtime {
                 id,
                 session,
                 lent: None,
+                in_lane: None,
                 turn_file: None,
                 run: None,
                 keys: VecDeque::new(),
@@ -259,6 +270,10 @@ impl Runtime {
             .name("ds4-engine".into())
             .spawn(move || {
                 let saver = persist.as_ref().map(|p| Saver::start(p.writer()));
+                let split = split.map(|(decode_pool, lane)| Split {
+                    lane: Lane::start(model, lane, max_step),
+                    decode_pool,
+                });
                 let mut engine = Engine {
                     slots,
                     batch,
@@ -269,6 +284,7 @@ impl Runtime {
                     notices,
                     quantum: cfg.prefill_quantum,
                     pace: Pace::default(),
+                    split,
                 };
                 engine.run(rx);
             })
@@ -303,6 +319,9 @@ struct Slot {
     /// The tokens and context of the session lent to the saver (its turn
     /// end being written); the slot is not idle until it comes back.
     lent: Option<(Vec<u32>, usize)>,
+    /// The context of the session lent to the prefill lane (a placeholder
+    /// is here meanwhile); the slot's run waits for it.
+    in_lane: Option<usize>,
     /// Its conversation's last turn-end checkpoint.
     turn_file: Option<TurnFile>,
     run: Option<Box<Run>>,
@@ -361,43 +380,56 @@ struct Engine {
     notices: NoticeSink,
     quantum: PrefillQuantum,
     pace: Pace,
+    /// Under [`PrefillQuantum::Auto`] with two threads or more: the prefill
+    /// lane and the threads the decoders step on while it runs.
+    split: Option<Split>,
 }
 
-/// Measured step costs, for [`PrefillQuantum::Auto`]: a step of decoding
-/// slots alone, and what each prefill token adds to a step with decoders.
+/// The threads split between a long prefill and the decoders.
+struct Split {
+    lane: Lane,
+    decode_pool: Arc<ThreadPool>,
+}
+
+/// The quantum of [`PrefillQuantum::Auto`], from measured step costs: a
+/// step of decoding slots alone, and each step with prompt tokens beside
+/// them. A step's cost grows less than in proportion to its prompt tokens
+/// (one token beside a decoder costs most of a decode step's matrix reads,
+/// the next ones little), so the quantum is found by trying: it grows while
+/// such steps stay within [`STALL_FACTOR`] times a decode step and shrinks in
+/// proportion when one does not.
 #[derive(Default)]
 struct Pace {
     decode_s: Option<f64>,
-    prefill_token_s: Option<f64>,
+    /// Prompt tokens the next step with decoders may carry (0: not yet set).
+    quantum: f64,
 }
 
 impl Pace {
-    /// Moves a measurement a fifth of the way (a noisy step does not decide).
-    fn fold(avg: &mut Option<f64>, x: f64) {
-        if x.is_finite() && x > 0.0 {
-            *avg = Some(avg.map_or(x, |a| a + (x - a) / 5.0));
-        }
-    }
-
     /// A step took `secs` with `prefill` prompt tokens beside its decoders.
     fn note(&mut self, secs: f64, decoding: bool, prefill: usize) {
-        match (decoding, prefill, self.decode_s) {
-            (true, 0, _) => Self::fold(&mut self.decode_s, secs),
-            (true, n, Some(d)) => Self::fold(
-                &mut self.prefill_token_s,
-                (secs - d).max(d * 0.05) / n as f64,
-            ),
-            _ => {}
+        if !(decoding && secs.is_finite() && secs > 0.0) {
+            return;
+        }
+        match (prefill, self.decode_s) {
+            // Moved a fifth of the way: a noisy step does not decide.
+            (0, d) => self.decode_s = Some(d.map_or(secs, |d| d + (secs - d) / 5.0)),
+            (n, Some(d)) => {
+                let budget = STALL_FACTOR * d;
+                let n = n as f64;
+                self.quantum = if secs <= budget {
+                    (n * 1.25).max(n + 1.0)
+                } else {
+                    (n * budget / secs).max(1.0)
+                };
+            }
+            (_, None) => {}
         }
     }
 
-    /// Prompt tokens a step with decoders may carry: within [`STALL_FACTOR`]
-    /// times a decode step; 1 until both costs are measured.
+    /// Prompt tokens a step with decoders may carry, 1 to `max`.
     fn quantum(&self, max: usize) -> usize {
-        match (self.decode_s, self.prefill_token_s) {
-            (Some(d), Some(t)) => (((STALL_FACTOR - 1.0) * d / t) as usize).clamp(1, max),
-            _ => 1,
-        }
+        (self.quantum as usize).clamp(1, max)
     }
 }
 
@@ -426,6 +458,7 @@ impl Engine {
             while let Some(r) = self.saver.as_ref().and_then(Saver::try_take) {
                 self.take_back(r);
             }
+            self.take_lane(std::time::Duration::ZERO);
             let idle = self.slots.iter().all(|s| s.run.is_none()) && self.waiting.is_empty();
             if idle {
                 match rx.recv() {
@@ -444,8 +477,16 @@ impl Engine {
             }
             self.apply_tags();
             self.assign_waiting();
-            if self.slots.iter().any(|s| s.run.is_some()) {
+            if self
+                .slots
+                .iter()
+                .any(|s| s.run.is_some() && s.in_lane.is_none())
+            {
                 self.step();
+            } else if self.split.as_ref().is_some_and(|s| s.lane.busy().is_some()) {
+                // Only the lane works: wait for it, a little at a time, so a
+                // new job is taken meanwhile.
+                self.take_lane(std::time::Duration::from_millis(2));
             } else if !self.waiting.is_empty() {
                 // Nothing runs and the first waiting job waits for a lent
                 // conversation: wait for a save to end.
@@ -732,10 +773,9 @@ impl Engine {
     fn step(&mut self) {
         let stopping = self.shared.stopping.load(Ordering::Acquire);
         for i in 0..self.slots.len() {
-            let cancel = self.slots[i]
-                .run
-                .as_ref()
-                .is_some_and(|r| r.cancelled(stopping));
+            let slot = &self.slots[i];
+            let cancel =
+                slot.in_lane.is_none() && slot.run.as_ref().is_some_and(|r| r.cancelled(stopping));
             if cancel {
                 self.finish(i, FinishReason::Cancelled, None);
             }
@@ -753,10 +793,15 @@ impl Engine {
                 rows_left -= 1;
             }
         }
+        let mut lane_free = self.split.as_ref().is_some_and(|s| s.lane.busy().is_none());
+        let mut to_lane = None;
         for s in &self.slots {
             let Some(r) = s.run.as_ref().filter(|r| r.pending.is_none()) else {
                 continue;
             };
+            if s.in_lane.is_some() {
+                continue;
+            }
             let from = s.session.tokens().len();
             let to_cut = r.cuts.front().map_or(r.plan.ids.len(), |c| c.0);
             let budget = match (decoding, self.quantum) {
@@ -764,6 +809,13 @@ impl Engine {
                 (true, PrefillQuantum::Fixed(n)) => n,
                 (true, PrefillQuantum::Auto) => self.pace.quantum(s.session.max_step()),
             };
+            if decoding && lane_free && to_cut - from > budget {
+                // More than a step's share: the lane takes it, a chunk at a
+                // time, beside the decoders.
+                to_lane = Some((s.id, from, (to_cut - from).min(s.session.max_step())));
+                lane_free = false;
+                continue;
+            }
             let n = (to_cut - from)
                 .min(budget)
                 .min(s.session.max_step())
@@ -773,9 +825,14 @@ impl Engine {
                 rows_left -= n;
             }
         }
+        if let Some((i, from, n)) = to_lane {
+            self.lend_to_lane(i, from, n);
+        }
         if feeds.is_empty() {
             return;
         }
+        let split = self.split.as_ref().filter(|s| s.lane.busy().is_some());
+        let decode_pool = split.map(|s| Arc::clone(&s.decode_pool));
         let t = Instant::now();
         let result = {
             let mut steps: Vec<(&mut Session, &[u32])> = Vec::with_capacity(feeds.len());
@@ -799,7 +856,10 @@ impl Engine {
                 };
                 steps.push((session, tokens));
             }
-            self.batch.forward(&mut steps)
+            match &decode_pool {
+                Some(pool) => self.batch.forward_on(pool, &mut steps),
+                None => self.batch.forward(&mut steps),
+            }
         };
         let elapsed = t.elapsed().as_secs_f64();
         let prefilled: usize = feeds
@@ -809,7 +869,10 @@ impl Engine {
                 Feed::Decode(_) => 0,
             })
             .sum();
-        self.pace.note(elapsed, decoding, prefilled);
+        if decode_pool.is_none() {
+            // Steps on a share of the threads say nothing of a whole step.
+            self.pace.note(elapsed, decoding, prefilled);
+        }
         if let Err(e) = result {
             for (i, _) in &feeds {
                 self.finish(*i, FinishReason::Stop, Some(e.to_string()));
@@ -821,6 +884,61 @@ impl Engine {
                 Feed::Prefill(..) => self.after_prefill(i, elapsed),
                 Feed::Decode(_) => self.after_decode(i),
             }
+        }
+    }
+
+    /// Lends slot `i`'s session to the prefill lane for its prompt tokens
+    /// `from..from + n`.
+    fn lend_to_lane(&mut self, i: usize, from: usize, n: usize) {
+        let Some(split) = &mut self.split else {
+            return;
+        };
+        let slot = &mut self.slots[i];
+        let Some(run) = slot.run.as_deref() else {
+            return;
+        };
+        let tokens = run.plan.ids[from..from + n].to_vec();
+        let n_ctx = slot.session.n_ctx();
+        let placeholder = slot.session.sibling(1);
+        let session = std::mem::replace(&mut slot.session, placeholder);
+        slot.in_lane = Some(n_ctx);
+        if let Err(undone) = split.lane.lend(Chunk {
+            slot: i,
+            session,
+            tokens,
+        }) {
+            self.prefilled(*undone);
+        }
+    }
+
+    /// Takes back the lane's chunk once it is done (waiting up to `wait`).
+    fn take_lane(&mut self, wait: std::time::Duration) {
+        let Some(split) = &mut self.split else {
+            return;
+        };
+        match split.lane.take(wait) {
+            Taken::Pending => {}
+            Taken::Done(p) => self.prefilled(*p),
+            Taken::Lost(i) => {
+                let slot = &mut self.slots[i];
+                let n_ctx = slot.in_lane.take().unwrap_or(1);
+                slot.session = slot.session.sibling(n_ctx);
+                self.split = None;
+                let e = "the prefill thread failed; its conversation was lost".to_string();
+                self.finish(i, FinishReason::Stop, Some(e));
+            }
+        }
+    }
+
+    /// A chunk is back from the lane: the slot holds its session again and
+    /// goes on as after any prefill step.
+    fn prefilled(&mut self, p: Prefilled) {
+        let slot = &mut self.slots[p.slot];
+        slot.session = p.session;
+        slot.in_lane = None;
+        match p.result {
+            Ok(()) => self.after_prefill(p.slot, p.secs),
+            Err(e) => self.finish(p.slot, FinishReason::Stop, Some(e.to_string())),
         }
     }
 
@@ -1105,26 +1223,31 @@ fn engine(e: EngineError) -> JobError {
 mod tests {
     use super::*;
 
-    /// The automatic quantum keeps a step with prefill tokens within
-    /// [`STALL_FACTOR`] times a decode step, from measured costs: one token
-    /// until both are measured, at most the step's size.
+    /// The automatic quantum grows while steps with prompt tokens stay
+    /// within [`STALL_FACTOR`] times a decode step and shrinks in proportion
+    /// past it; one token until a decode step is measured, at most the
+    /// step's size.
     #[test]
     fn the_automatic_quantum_follows_measured_costs() {
         let mut p = Pace::default();
         assert_eq!(p.quantum(256), 1);
-        p.note(0.004, true, 0);
-        assert_eq!(p.quantum(256), 1, "no prefill cost measured yet");
-        // A step with 4 prefill tokens took 12 ms: 2 ms per token.
         p.note(0.012, true, 4);
-        assert_eq!(p.quantum(256), ((STALL_FACTOR - 1.0) * 2.0) as usize);
+        assert_eq!(p.quantum(256), 1, "no decode step measured yet");
+        p.note(0.004, true, 0);
+        // Within the budget (10 ms): it grows, by at least one token.
+        p.note(0.005, true, 1);
+        assert_eq!(p.quantum(256), 2);
+        p.note(0.006, true, 8);
+        assert_eq!(p.quantum(256), 10);
+        // Twice the budget: half as many.
+        p.note(0.020, true, 10);
+        assert_eq!(p.quantum(256), 5);
         // Prefill-only steps say nothing about the mix.
         p.note(1.0, false, 256);
-        assert_eq!(p.quantum(256), ((STALL_FACTOR - 1.0) * 2.0) as usize);
-        // Cheap prefill tokens: capped at the step's size.
-        let mut cheap = Pace::default();
-        cheap.note(0.004, true, 0);
-        cheap.note(0.0041, true, 100);
-        assert_eq!(cheap.quantum(64), 64);
+        assert_eq!(p.quantum(256), 5);
+        // Cheap prompt tokens: capped at the step's size.
+        p.note(0.0041, true, 100);
+        assert_eq!(p.quantum(64), 64);
         assert!("auto".parse::<PrefillQuantum>() == Ok(PrefillQuantum::Auto));
         assert!("32".parse::<PrefillQuantum>() == Ok(PrefillQuantum::Fixed(32)));
         assert!("0".parse::<PrefillQuantum>().is_err() && "x".parse::<PrefillQuantum>().is_err());

@@ -2,7 +2,7 @@
 //! batched over slots equals each request alone; slot choice (the slot holding
 //! the prefix, affinity, the least valuable with an evict save); queueing and
 //! its bound; cancellation leaves a consistent slot; a long prefill yields to
-//! decoding slots.
+//! decoding slots, mixed into their steps or in the prefill lane.
 
 mod common;
 
@@ -274,47 +274,91 @@ fn a_client_that_leaves_frees_its_slot_in_a_consistent_state() {
     assert_ne!(finish, FinishReason::Cancelled);
 }
 
+fn long_prompt() -> String {
+    chat(&"The harbour was quiet that night, and the keeper watched the sea. ".repeat(100))
+}
+
+/// Waits for the first token of a job.
+fn first_text(rx: &mut mpsc::Receiver<Event>) {
+    while let Some(e) = rx.blocking_recv() {
+        if matches!(e, Event::Text(_)) {
+            return;
+        }
+    }
+    panic!("the job ended without a token");
+}
+
 /// While one slot prefills a long cold prompt, another slot's tokens keep
 /// coming: the short job (24 tokens) finishes while the long one (~1,400
-/// prompt tokens, 32 per step) is still prefilling.
+/// prompt tokens) is still prefilling, mixed into the decode steps 32 tokens
+/// at a time or (`auto` on two threads) in the prefill lane on one thread
+/// while the decoder steps on the other; either way the long job's answer is
+/// its solo one.
 #[test]
 fn a_long_prefill_yields_to_a_decoding_slot() {
-    let rt = Rt::start(
-        2,
-        None,
-        RuntimeConfig {
-            prefill_quantum: ds4_runtime::PrefillQuantum::Fixed(32),
-            ..Default::default()
-        },
-    );
-    let short = rt.submit(&chat("Name three colors."), 24, &[]);
-    // The short job is decoding before the long one arrives.
-    let mut short = short;
-    while let Some(e) = short.blocking_recv() {
-        if matches!(e, Event::Text(_)) {
+    let solo = {
+        let rt = Rt::start(1, None, RuntimeConfig::default());
+        collect(rt.submit(&long_prompt(), 4, &[])).0
+    };
+    for quantum in [
+        ds4_runtime::PrefillQuantum::Fixed(32),
+        ds4_runtime::PrefillQuantum::Auto,
+    ] {
+        let rt = Rt::start(
+            2,
+            None,
+            RuntimeConfig {
+                prefill_quantum: quantum,
+                ..Default::default()
+            },
+        );
+        let mut short = rt.submit(&chat("Name three colors."), 24, &[]);
+        // The short job is decoding before the long one arrives.
+        first_text(&mut short);
+        let mut long = rt.submit(&long_prompt(), 4, &[]);
+        let (_, _, us) = collect(short);
+        let mut long_started_generating = false;
+        while let Ok(e) = long.try_recv() {
+            if matches!(e, Event::Text(_) | Event::Done { .. }) {
+                long_started_generating = true;
+            }
+        }
+        assert!(
+            !long_started_generating,
+            "{quantum}: the short job waited for the long prefill"
+        );
+        let (text, _, ul) = collect(long);
+        assert!(ul.prompt_tokens > 1000, "{}", ul.prompt_tokens);
+        assert_ne!(us.slot, ul.slot);
+        assert_eq!(text, solo, "{quantum}");
+    }
+}
+
+/// A client that leaves while its prompt is in the prefill lane: the slot
+/// gets its session back, ends the job, and serves the same prompt next
+/// exactly as a fresh run does (from what the lane had prefilled).
+#[test]
+fn a_client_that_leaves_during_a_lane_prefill_leaves_its_slot_consistent() {
+    let solo = {
+        let rt = Rt::start(1, None, RuntimeConfig::default());
+        collect(rt.submit(&long_prompt(), 8, &[])).0
+    };
+    let rt = Rt::start(2, None, RuntimeConfig::default());
+    let mut decoder = rt.submit(&chat("Write a long story about the sea."), 120, &[]);
+    first_text(&mut decoder);
+    let mut long = rt.submit(&long_prompt(), 8, &[]);
+    // Some prompt tokens in (the lane reports each chunk), then leave.
+    while let Some(e) = long.blocking_recv() {
+        if matches!(e, Event::Progress { .. }) {
             break;
         }
     }
-    let long = rt.submit(
-        &chat(&"The harbour was quiet that night, and the keeper watched the sea. ".repeat(100)),
-        4,
-        &[],
-    );
-    let (_, _, us) = collect(short);
-    let mut long = long;
-    let mut long_started_generating = false;
-    while let Ok(e) = long.try_recv() {
-        if matches!(e, Event::Text(_) | Event::Done { .. }) {
-            long_started_generating = true;
-        }
-    }
-    assert!(
-        !long_started_generating,
-        "the short job waited for the long prefill"
-    );
-    let (_, _, ul) = collect(long);
-    assert!(ul.prompt_tokens > 1000, "{}", ul.prompt_tokens);
-    assert_ne!(us.slot, ul.slot);
+    drop(long);
+    collect(decoder);
+    let (text, finish, u) = collect(rt.submit(&long_prompt(), 8, &[]));
+    assert_eq!(text, solo);
+    assert_ne!(finish, FinishReason::Cancelled);
+    assert!(u.cached_tokens > 0, "nothing of the first prefill was kept");
 }
 
 /// A request that shares a long prefix (a system prompt) with a slot's

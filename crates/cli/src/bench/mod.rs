@@ -168,7 +168,8 @@ pub struct BenchArgs {
     )]
     pub stall_prefill: usize,
     /// Tokens a prefilling slot feeds per step while another decodes: `auto`
-    /// or a number (as `ds4 serve --mixed-prefill-quantum`).
+    /// or a number (as `ds4 serve --mixed-prefill-quantum`: `auto` runs a long
+    /// prompt on half the threads beside the decoders).
     #[arg(
         long,
         default_value = "auto",

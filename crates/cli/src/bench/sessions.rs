@@ -16,6 +16,9 @@ use tokio::sync::mpsc;
 
 use super::{Bench, BenchArgs, BOOK_TEXT};
 
+/// Tokens of each turn of the prefill-stall test's decoder.
+const STALL_TURN: usize = 128;
+
 /// Whether a client hangs up, given its tokens' arrival times so far.
 type Until<'a> = dyn Fn(&[f64]) -> bool + 'a;
 
@@ -283,9 +286,11 @@ fn report(title: &str, round: &[Timeline], single: f64) {
     );
 }
 
-/// One client decodes alone for a while (its idle gaps), then a cold prompt
-/// arrives on another slot; the gaps until that prompt's first token are the
-/// ones its prefill stretched.
+/// One client decodes turns of [`STALL_TURN`] tokens from a short prompt, one
+/// after another: two alone (its idle gaps), then a cold prompt arrives on
+/// another slot; the gaps inside its turns until that prompt's first token are
+/// the ones the prefill stretched. Turns of a fixed length keep the decoder's
+/// own context (what its steps cost) the same alone and beside the prefill.
 fn stall(
     h: &RuntimeHandle,
     short: &str,
@@ -293,41 +298,43 @@ fn stall(
     cold: &str,
     cold_ids: Vec<u32>,
 ) -> Result<()> {
-    const IDLE_GAPS: usize = 48;
+    const IDLE_TURNS: usize = 2;
     let n_cold = cold_ids.len();
     let t0 = Instant::now();
-    // Enough tokens to outlast the prefill; the decoder is cancelled after it.
-    let rx = submit(
-        h,
-        "bench-decoder".into(),
-        short,
-        short_ids,
-        TokenLimit::Default(usize::MAX),
-    )?;
     let (started_tx, started_rx) = std::sync::mpsc::channel::<f64>();
     let (done_tx, done_rx) = std::sync::mpsc::channel::<f64>();
-    let done_rx = std::sync::Mutex::new(done_rx);
-    let decoder = std::thread::spawn(move || {
+    let decoder_h = h.clone();
+    let short = short.to_string();
+    let decoder = std::thread::spawn(move || -> Result<Vec<Timeline>> {
+        let mut turns = Vec::new();
         let cold_done = std::cell::Cell::new(None::<f64>);
-        let sent = std::cell::Cell::new(false);
+        // Hang up a few tokens past the cold prompt's first.
         let until = |tokens: &[f64]| {
-            if tokens.len() == IDLE_GAPS + 1 && !sent.get() {
-                sent.set(true);
-                let _ = started_tx.send(tokens[IDLE_GAPS]);
-            }
             if cold_done.get().is_none() {
-                cold_done.set(done_rx.lock().ok().and_then(|r| r.try_recv().ok()));
+                cold_done.set(done_rx.try_recv().ok());
             }
-            // A few tokens past the cold prompt's first, then hang up.
             cold_done
                 .get()
                 .is_some_and(|d| tokens.last().is_some_and(|&l| l > d + 0.2))
         };
-        follow(0, rx, t0, Some(&until))
+        while cold_done.get().is_none() {
+            let rx = submit(
+                &decoder_h,
+                format!("bench-decoder-{}", turns.len()),
+                &short,
+                short_ids.clone(),
+                TokenLimit::Requested(STALL_TURN),
+            )?;
+            turns.push(follow(0, rx, t0, Some(&until))?);
+            if turns.len() == IDLE_TURNS {
+                let _ = started_tx.send(t0.elapsed().as_secs_f64());
+            }
+        }
+        Ok(turns)
     });
     let submitted = started_rx
         .recv_timeout(Duration::from_secs(600))
-        .context("the decoding client never produced its idle tokens")?;
+        .context("the decoding client never finished its idle turns")?;
     let cold_rx = submit(
         h,
         "bench-cold".into(),
@@ -342,12 +349,13 @@ fn stall(
         .copied()
         .context("the cold prompt produced no token")?;
     let _ = done_tx.send(first);
-    let dec = decoder
+    let turns = decoder
         .join()
         .map_err(|_| anyhow::anyhow!("the decoding thread panicked"))??;
     let gaps = |from: f64, to: f64| -> Vec<f64> {
-        dec.tokens
-            .windows(2)
+        turns
+            .iter()
+            .flat_map(|t| t.tokens.windows(2))
             .filter(|w| w[0] >= from && w[1] <= to)
             .map(|w| w[1] - w[0])
             .collect()
