@@ -5,22 +5,41 @@
 //! Each session's results are bitwise what it gets alone: every row's norms,
 //! RoPE and activations, and the matrix products of every precision mode,
 //! compute a row the same way wherever it sits in a batch, and attention runs
-//! per session over its own state.
+//! per session over its own state's rows, or over another session's where the
+//! batch has compared those rows and found the same bits: decoding sessions
+//! forked from one long prompt (subagents, parallel clients of one system
+//! prompt) then read its K/V once per step rather than once each.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use ds4_kernels::pool::ThreadPool;
 
 use crate::error::{EngineError, Result};
 use crate::model::Model;
-use crate::models::{LogitsOut, Scratch, SeqStep};
+use crate::models::{LogitsOut, Scratch, SeqStep, Share};
+use crate::ops::ATTN_SEG;
 use crate::session::Session;
+use crate::state::{KvState, RowsKey, SeqState};
+
+/// What comparing two states' rows found: positions `0..equal` hold the same
+/// bits in both; `0..checked` were compared (`equal < checked`: they differ
+/// at the segment after `equal`).
+#[derive(Clone, Copy, Default)]
+struct Compared {
+    equal: usize,
+    checked: usize,
+}
 
 /// Intermediates for forward calls over several sessions of one model.
 pub struct Batch {
     model: Arc<Model>,
     pool: Arc<ThreadPool>,
     scratch: Scratch,
+    /// Per (leader's rows, member's rows), kept while both keep their rows.
+    compared: HashMap<(RowsKey, RowsKey), Compared>,
+    /// See [`shared_positions`](Self::shared_positions).
+    shared_positions: usize,
 }
 
 impl Batch {
@@ -31,7 +50,15 @@ impl Batch {
             model,
             pool,
             scratch,
+            compared: HashMap::new(),
+            shared_positions: 0,
         }
+    }
+
+    /// Positions the last call's sessions read from another session's rows
+    /// rather than their own (summed over sessions; per dense layer).
+    pub fn shared_positions(&self) -> usize {
+        self.shared_positions
     }
 
     /// Most tokens over all sessions of one call.
@@ -86,15 +113,19 @@ impl Batch {
                 self.max_rows()
             ));
         }
+        let shares = self.plan_shares(steps);
+        self.shared_positions = shares.iter().flatten().map(|s| s.len).sum();
         let mut seqs: Vec<SeqStep<'_>> = steps
             .iter_mut()
-            .map(|(s, tokens)| {
+            .zip(shares)
+            .map(|((s, tokens), share)| {
                 let (state, scaling, logits) = s.step_parts();
                 SeqStep {
                     state,
                     tokens,
                     scaling,
                     logits: LogitsOut::Last(logits),
+                    share,
                 }
             })
             .collect();
@@ -110,5 +141,57 @@ impl Batch {
             s.appended(tokens);
         }
         Ok(())
+    }
+
+    /// Which decoding sessions read their first rows from another's state: a
+    /// session of one token joins the first leader whose tokens it shares for
+    /// at least a segment, for the whole segments whose rows the batch has
+    /// compared and found bitwise equal (once per pair of states, extended as
+    /// the common prefix grows, redone after either is cut or loaded). The
+    /// tokens only pick the candidates; the rows decide.
+    fn plan_shares(&mut self, steps: &[(&mut Session, &[u32])]) -> Vec<Option<Share>> {
+        let states: Vec<Option<&KvState>> = steps
+            .iter()
+            .map(|(s, tokens)| {
+                let state = s.state().as_any().downcast_ref::<KvState>();
+                state.filter(|_| tokens.len() == 1)
+            })
+            .collect();
+        let mut shares = vec![None; steps.len()];
+        let mut leaders: Vec<usize> = Vec::new();
+        let mut seen = HashSet::new();
+        for (i, member) in states.iter().enumerate() {
+            let Some(member) = member else { continue };
+            let joined = leaders.iter().find_map(|&l| {
+                let leader = states[l]?;
+                let (a, b) = (steps[l].0.tokens(), steps[i].0.tokens());
+                if a.get(..ATTN_SEG)? != b.get(..ATTN_SEG)? {
+                    return None;
+                }
+                let common = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+                let want = common.min(leader.len()).min(member.len()) / ATTN_SEG * ATTN_SEG;
+                let key = (leader.rows_key(), member.rows_key());
+                seen.insert(key);
+                let c = self.compared.entry(key).or_default();
+                if c.checked < want {
+                    if c.equal == c.checked {
+                        while c.equal < want
+                            && leader.dense_rows_equal(member, c.equal, c.equal + ATTN_SEG)
+                        {
+                            c.equal += ATTN_SEG;
+                        }
+                    }
+                    c.checked = want;
+                }
+                let len = c.equal.min(want);
+                (len >= ATTN_SEG).then_some(Share { leader: l, len })
+            });
+            match joined {
+                Some(share) => shares[i] = Some(share),
+                None => leaders.push(i),
+            }
+        }
+        self.compared.retain(|k, _| seen.contains(k));
+        shares
     }
 }

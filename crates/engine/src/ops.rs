@@ -260,7 +260,7 @@ const ATTN_TOKEN_BLOCK: usize = 16;
 /// the segments' partial results are merged in order. Work items are (kv head,
 /// token block, segment), so a single decoded token's long history is spread over
 /// the threads, and a batch computes exactly the same partials and merges.
-const ATTN_SEG: usize = 256;
+pub(crate) const ATTN_SEG: usize = 256;
 const _: () = assert!(ATTN_SEG.is_multiple_of(ATTN_TILE));
 /// Runs of consecutive work items per thread (the threads take runs as they
 /// come free). Item by item, two threads read alternate segments, and each
@@ -352,18 +352,8 @@ pub fn attention<T: AsF32Rows>(
     let item_len = bq * (head_dim + 2);
     let head_rows = layout.rows * head_dim;
     ATTN_OUT.with_borrow_mut(|scratch| {
-        // Grown, never shrunk: layers of one model differ (Gemma 3's global
-        // layers have 60 times the segments of its local ones), and a shrunk
-        // vector grown back writes zeros over all of it (7.9 MB per global
-        // layer per decoded token at 30k, 4% of decode time).
-        // Items in runs of consecutive segments of one (kv head, token block);
-        // the scratch is padded to whole runs and the padding's items skipped.
+        // Items in runs of consecutive segments of one (kv head, token block).
         let n_items = n_head_kv * n_blocks * n_seg;
-        let run = n_items.div_ceil(pool.n_threads() * ATTN_RUNS_PER_THREAD);
-        let padded = n_items.next_multiple_of(run) * item_len;
-        if scratch.len() < padded {
-            scratch.resize(padded, 0.0);
-        }
         let attend_item = |item: usize, o: &mut [f32]| {
             let seg = seg0 + item % n_seg;
             let (kvh, tb) = (item / n_seg / n_blocks, item / n_seg % n_blocks);
@@ -384,13 +374,7 @@ pub fn attention<T: AsF32Rows>(
                 o,
             );
         };
-        pool.for_each_chunk_mut(&mut scratch[..padded], run * item_len, &|r, items| {
-            for (i, o) in items.chunks_exact_mut(item_len).enumerate() {
-                if r * run + i < n_items {
-                    attend_item(r * run + i, o);
-                }
-            }
-        });
+        run_items(pool, scratch, n_items, item_len, &attend_item);
         let scratch = &scratch[..n_items * item_len];
         for t in 0..n_tokens {
             let (tb, ti) = (t / ATTN_TOKEN_BLOCK, t % ATTN_TOKEN_BLOCK);
@@ -399,18 +383,151 @@ pub fn attention<T: AsF32Rows>(
                     let qi = ti * group + g;
                     let dst = &mut out[(t * n_head + kvh * group + g) * head_dim..][..head_dim];
                     let items = &scratch[(kvh * n_blocks + tb) * n_seg * item_len..];
-                    merge_segments(items, item_len, n_seg, bq, qi, head_dim, dst);
+                    merge_segments(items, item_len, item_len, n_seg, bq, qi, head_dim, dst);
                 }
             }
         }
     });
 }
 
-/// Merges query `qi`'s partial results over the `n_seg` items starting at `items`,
-/// in segment order, and normalizes: the softmax-weighted sum of V rows.
+/// Runs `attend_item(i, out)` for items `0..n_items` on the pool's threads, in
+/// runs of consecutive items, each writing its `item_len` floats of `scratch`.
+fn run_items(
+    pool: &ThreadPool,
+    scratch: &mut Vec<f32>,
+    n_items: usize,
+    item_len: usize,
+    attend_item: &(dyn Fn(usize, &mut [f32]) + Sync),
+) {
+    let run = n_items
+        .div_ceil(pool.n_threads() * ATTN_RUNS_PER_THREAD)
+        .max(1);
+    // Padded to whole runs, the padding's items skipped. Grown, never shrunk:
+    // layers of one model differ (Gemma 3's global layers have 60 times the
+    // segments of its local ones), and a shrunk vector grown back writes zeros
+    // over all of it (7.9 MB per global layer per decoded token at 30k, 4% of
+    // decode time).
+    let padded = n_items.next_multiple_of(run) * item_len;
+    if scratch.len() < padded {
+        scratch.resize(padded, 0.0);
+    }
+    pool.for_each_chunk_mut(&mut scratch[..padded], run * item_len, &|r, items| {
+        for (i, o) in items.chunks_exact_mut(item_len).enumerate() {
+            if r * run + i < n_items {
+                attend_item(r * run + i, o);
+            }
+        }
+    });
+}
+
+/// One decoding sequence of [`attention_shared`]: its token's query `q` at
+/// position `pos`, its own K/V cache (as [`attention`] takes it), and how many
+/// leading positions (whole segments) it reads from the shared cache instead,
+/// whose rows there are bitwise its own.
+pub struct SharedQuery<'a, T> {
+    pub q: &'a [f32],
+    pub kv: (&'a [T], &'a [T]),
+    pub pos: usize,
+    pub shared: usize,
+}
+
+/// [`attention`] for several decoding sequences (one token each) of a dense
+/// layer at once, whose first positions hold the same rows: each segment of
+/// the shared cache is read once, by one thread, for every sequence that
+/// shares it (the copies in their own caches are not read), so N sequences
+/// forked from one long prompt read its K/V once rather than N times. Each
+/// query's items are those [`attention`] makes for it alone, computed by the
+/// same code over the same bits and merged in the same order: every output
+/// is bitwise what it gets alone. Outputs like `attention`'s, one per query.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_shared<T: AsF32Rows>(
+    pool: &ThreadPool,
+    shared_kv: (&[T], &[T]),
+    queries: &[SharedQuery<'_, T>],
+    layout: AttnLayout,
+    n_head: usize,
+    n_head_kv: usize,
+    head_dim: usize,
+    outs: &mut [&mut [f32]],
+) {
+    let n_q = queries.len();
+    assert_eq!(outs.len(), n_q);
+    assert!(
+        layout.window.is_none(),
+        "shared rows are read on dense layers"
+    );
+    for q in queries {
+        assert!(q.pos < layout.rows && q.shared.is_multiple_of(ATTN_SEG) && q.shared <= q.pos);
+        assert_eq!(q.q.len(), n_head * head_dim, "one token per sequence");
+    }
+    let group = n_head / n_head_kv;
+    let n_seg = queries
+        .iter()
+        .map(|q| q.pos / ATTN_SEG + 1)
+        .max()
+        .unwrap_or(0);
+    let item_len = group * (head_dim + 2);
+    let head_rows = layout.rows * head_dim;
+    // Items ordered (kv head, segment, sequence): a thread's run walks every
+    // sequence over one shared segment while its rows are in cache.
+    let n_items = n_head_kv * n_seg * n_q;
+    ATTN_OUT.with_borrow_mut(|scratch| {
+        let attend_item = |item: usize, o: &mut [f32]| {
+            let (kvh, seg, qs) = (item / n_q / n_seg, item / n_q % n_seg, item % n_q);
+            let query = &queries[qs];
+            let (k, v) = if (seg + 1) * ATTN_SEG <= query.shared {
+                shared_kv
+            } else {
+                query.kv
+            };
+            // Past the query's position the item is empty: (-inf, 0), skipped
+            // by the merge, as `attention` alone makes no item there.
+            let p0 = seg * ATTN_SEG;
+            let p1 = (p0 + ATTN_SEG).min(query.pos + 1).max(p0);
+            attend_block(
+                query.q,
+                (
+                    &k[kvh * head_rows..][..head_rows],
+                    &v[kvh * head_rows..][..head_rows],
+                ),
+                (0, 1),
+                (kvh, group, n_head, head_dim),
+                query.pos,
+                (p0, p1),
+                layout,
+                o,
+            );
+        };
+        run_items(pool, scratch, n_items, item_len, &attend_item);
+        for (qs, out) in outs.iter_mut().enumerate() {
+            for kvh in 0..n_head_kv {
+                let items = &scratch[(kvh * n_seg * n_q + qs) * item_len..];
+                for g in 0..group {
+                    let dst = &mut out[(kvh * group + g) * head_dim..][..head_dim];
+                    merge_segments(
+                        items,
+                        item_len,
+                        n_q * item_len,
+                        n_seg,
+                        group,
+                        g,
+                        head_dim,
+                        dst,
+                    );
+                }
+            }
+        }
+    });
+}
+
+/// Merges query `qi`'s partial results over the `n_seg` items starting at `items`
+/// (`stride` apart), in segment order, and normalizes: the softmax-weighted sum
+/// of V rows.
+#[allow(clippy::too_many_arguments)]
 fn merge_segments(
     items: &[f32],
     item_len: usize,
+    stride: usize,
     n_seg: usize,
     bq: usize,
     qi: usize,
@@ -419,7 +536,7 @@ fn merge_segments(
 ) {
     let (mut m, mut l) = (f32::NEG_INFINITY, 0.0f32);
     for seg in 0..n_seg {
-        let it = &items[seg * item_len..(seg + 1) * item_len];
+        let it = &items[seg * stride..][..item_len];
         let (ms, ls) = (it[bq * head_dim + 2 * qi], it[bq * head_dim + 2 * qi + 1]);
         if ms == f32::NEG_INFINITY {
             continue;
@@ -692,6 +809,98 @@ mod tests {
         let want = [t0h0, t0h1, t1h0, t1h1].concat();
         for (g, w) in out.iter().zip(want) {
             assert!((f64::from(*g) - w).abs() < 1e-5, "{out:?}");
+        }
+    }
+
+    /// Decoding queries over caches whose first segments are copies of one
+    /// shared cache (and whose later rows differ): each output is bitwise what
+    /// `attention` gives it alone over its own cache, with shares of 0, 1 or 2
+    /// segments, positions inside and past them, f32 and f16 rows, 1 or 2 threads.
+    #[test]
+    fn shared_attention_equals_each_query_alone() {
+        let (n_ctx, hd, n_head, n_kv) = (900, 8, 6, 2);
+        let mut seed = 7u64;
+        let mut rnd = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
+        };
+        let cache = |rnd: &mut dyn FnMut() -> f32| -> Vec<f32> {
+            (0..n_kv * n_ctx * hd).map(|_| rnd()).collect()
+        };
+        let (k0, v0) = (cache(&mut rnd), cache(&mut rnd));
+        // (position, shared positions): the leader reads its own rows.
+        let cases = [
+            (800, 0),
+            (300, 256),
+            (700, 512),
+            (512, 512),
+            (256, 256),
+            (40, 0),
+        ];
+        let caches: Vec<(Vec<f32>, Vec<f32>)> = cases
+            .iter()
+            .map(|&(_, shared)| {
+                let (mut k, mut v) = (cache(&mut rnd), cache(&mut rnd));
+                for h in 0..n_kv {
+                    let rows = h * n_ctx * hd..(h * n_ctx + shared) * hd;
+                    k[rows.clone()].copy_from_slice(&k0[rows.clone()]);
+                    v[rows.clone()].copy_from_slice(&v0[rows]);
+                }
+                (k, v)
+            })
+            .collect();
+        let qs: Vec<Vec<f32>> = cases
+            .iter()
+            .map(|_| (0..n_head * hd).map(|_| rnd()).collect())
+            .collect();
+        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let f16 = |x: &[f32]| {
+            x.iter()
+                .map(|&f| <u16 as ds4_kernels::attn::KvElem>::narrow(f))
+                .collect::<Vec<u16>>()
+        };
+        let caches16: Vec<(Vec<u16>, Vec<u16>)> =
+            caches.iter().map(|(k, v)| (f16(k), f16(v))).collect();
+        let (k016, v016) = (f16(&k0), f16(&v0));
+        fn check<T: AsF32Rows>(
+            pool: &ThreadPool,
+            shared: (&[T], &[T]),
+            caches: &[(Vec<T>, Vec<T>)],
+            qs: &[Vec<f32>],
+            cases: &[(usize, usize)],
+            (n_ctx, hd, n_head, n_kv): (usize, usize, usize, usize),
+            bits: &dyn Fn(&[f32]) -> Vec<u32>,
+        ) {
+            let layout = AttnLayout::dense(n_ctx, hd);
+            let queries: Vec<SharedQuery<'_, T>> = cases
+                .iter()
+                .zip(caches)
+                .zip(qs)
+                .map(|((&(pos, shared), (k, v)), q)| SharedQuery {
+                    q,
+                    kv: (k, v),
+                    pos,
+                    shared,
+                })
+                .collect();
+            let mut outs = vec![vec![0f32; n_head * hd]; cases.len()];
+            let mut refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+            attention_shared(pool, shared, &queries, layout, n_head, n_kv, hd, &mut refs);
+            for (i, (&(pos, _), (k, v))) in cases.iter().zip(caches).enumerate() {
+                let mut alone = vec![0f32; n_head * hd];
+                attention(
+                    pool, &qs[i], k, v, layout, n_head, n_kv, hd, pos, &mut alone,
+                );
+                assert_eq!(bits(&outs[i]), bits(&alone), "query {i}");
+            }
+        }
+        let shape = (n_ctx, hd, n_head, n_kv);
+        for threads in [1, 2] {
+            let pool = ThreadPool::new(threads);
+            check(&pool, (&k0, &v0), &caches, &qs, &cases, shape, &bits);
+            check(&pool, (&k016, &v016), &caches16, &qs, &cases, shape, &bits);
         }
     }
 

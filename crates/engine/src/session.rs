@@ -275,6 +275,7 @@ impl Session {
             tokens: chunk,
             scaling: self.scaling,
             logits,
+            share: None,
         }];
         self.model.family.forward(
             &self.model.weights,
@@ -285,6 +286,11 @@ impl Session {
         );
         self.tokens.extend_from_slice(chunk);
         self.has_logits = true;
+    }
+
+    /// The per-sequence state, read-only.
+    pub(crate) fn state(&self) -> &dyn SeqState {
+        &*self.state
     }
 
     /// What a batched forward call needs of this session: its state, its RoPE

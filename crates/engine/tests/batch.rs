@@ -83,6 +83,82 @@ fn batched_equals_alone(f: &Family) {
     }
 }
 
+/// Sessions forked from one long prompt decode together reading its rows once
+/// (from the first session's state), each bitwise as alone; one of them then
+/// cut back inside the shared part and refilled with other tokens shares only
+/// what still holds the same rows, and an unrelated session shares nothing.
+fn forked_sessions_share_rows_and_equal_alone(f: &Family) {
+    let p = families::long_prompt(f);
+    let pool = Arc::new(ThreadPool::new(2));
+    let mut base = session(f, Precision::Fast, KvType::F16, &pool);
+    base.prefill(&p[..300]).unwrap();
+    let snap300 = base.snapshot().unwrap();
+    base.prefill(&p[300..600]).unwrap();
+    let snap = base.snapshot().unwrap();
+    let fork = |tail: &[u32]| {
+        let mut s = session(f, Precision::Fast, KvType::F16, &pool);
+        s.restore(&snap).unwrap();
+        s.prefill(tail).unwrap();
+        s
+    };
+    let mut batched = vec![fork(&p[600..603]), fork(&p[900..940]), fork(&p[1200..1201])];
+    let mut other = session(f, Precision::Fast, KvType::F16, &pool);
+    other.prefill(&p[1300..1800]).unwrap();
+    batched.push(other);
+    let mut alone: Vec<Session> = batched
+        .iter()
+        .map(|s| {
+            let mut twin = session(f, Precision::Fast, KvType::F16, &pool);
+            twin.restore(&s.snapshot().unwrap()).unwrap();
+            twin
+        })
+        .collect();
+    let mut batch = Batch::new(families::model(f), Arc::clone(&pool), 64);
+    let mut decode = |batched: &mut Vec<Session>, alone: &mut Vec<Session>, what: &str| {
+        let next: Vec<[u32; 1]> = batched
+            .iter()
+            .map(|s| [argmax(s.logits().unwrap())])
+            .collect();
+        let mut steps: Vec<(&mut Session, &[u32])> = batched
+            .iter_mut()
+            .zip(&next)
+            .map(|(s, t)| (s, &t[..]))
+            .collect();
+        batch.forward(&mut steps).unwrap();
+        for (i, (b, a)) in batched.iter().zip(alone.iter_mut()).enumerate() {
+            a.prefill(&next[i]).unwrap();
+            assert!(bits(b) == bits(a), "{} {what}: session {i}", f.name);
+        }
+        batch.shared_positions()
+    };
+    for step in 0..3 {
+        // Sessions 1 and 2 read 512 positions (two whole segments of the
+        // 600 they share) from session 0.
+        assert_eq!(
+            decode(&mut batched, &mut alone, "forked"),
+            1024,
+            "step {step}"
+        );
+    }
+    for s in [&mut batched[1], &mut alone[1]] {
+        // A ring that has passed its window cannot cut back: it reloads.
+        if s.can_rewind(300) {
+            s.rewind(300).unwrap();
+        } else {
+            s.restore(&snap300).unwrap();
+        }
+        s.prefill(&p[1000..1400]).unwrap();
+    }
+    for step in 0..2 {
+        // Session 1 now holds the fork's rows only below 300: one segment.
+        assert_eq!(
+            decode(&mut batched, &mut alone, "refilled"),
+            256 + 512,
+            "step {step}"
+        );
+    }
+}
+
 fn refused_batches_change_nothing(f: &Family) {
     let p = families::long_prompt(f);
     let pool = Arc::new(ThreadPool::new(1));
@@ -117,7 +193,7 @@ fn refused_batches_change_nothing(f: &Family) {
     );
 }
 
-for_each_family!(batched_equals_alone, refused_batches_change_nothing);
+for_each_family!(batched_equals_alone, refused_batches_change_nothing; attention: forked_sessions_share_rows_and_equal_alone);
 
 /// Timing (not a test): batched decode steps of N sessions holding `ctx`
 /// tokens each against N = 1 decoding alone, SmolLM2, 2 threads:

@@ -105,6 +105,17 @@ pub(crate) struct SeqStep<'a> {
     /// The sequence's RoPE scaling (resolved for its context).
     pub scaling: RopeScaling,
     pub logits: LogitsOut<'a>,
+    /// A decoding sequence whose first `len` positions hold bitwise the rows
+    /// of the sequence at index `leader` of the same call (checked by the
+    /// caller): attention may read those from the leader's state.
+    pub share: Option<Share>,
+}
+
+/// See [`SeqStep::share`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Share {
+    pub leader: usize,
+    pub len: usize,
 }
 
 /// Where a forward pass writes a sequence's next-token logits.

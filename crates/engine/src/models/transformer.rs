@@ -13,14 +13,14 @@
 use ds4_kernels::attn::AsF32Rows;
 use ds4_kernels::pool::ThreadPool;
 
-use super::{state_of, LogitsOut, SeqStep};
+use super::{state_of, LogitsOut, SeqStep, Share};
 use crate::error::Result;
 use crate::ops::{
-    add_rows, attention, project, rms_norm, rms_norm_rows, rms_norm_rows_inplace, Activations,
-    Precision, Rope,
+    add_rows, attention, attention_shared, project, rms_norm, rms_norm_rows, rms_norm_rows_inplace,
+    Activations, AttnLayout, Precision, Rope, SharedQuery,
 };
 use crate::rope::RopeScaling;
-use crate::state::{KvState, LayerRows, SeqState};
+use crate::state::{store_rows, KvRows, KvState, LayerRows, LayerRowsRef, SeqState};
 use crate::weights::{Binder, HParams, TensorRef, Weights};
 
 /// Named intermediates for `max_rows` token rows.
@@ -369,52 +369,138 @@ pub(crate) fn embed(p: &Pass<'_>, head: &Head, seqs: &[SeqStep<'_>], x: &mut [f3
 
 /// For every sequence: stores its rows of `k`/`v` into layer `il` of its state
 /// (at its positions), then runs its queries over the layer. `q`, `k`, `v` and
-/// `att` hold all sequences' rows.
+/// `att` hold all sequences' rows. Decoding sequences that share their first
+/// rows with a leader ([`SeqStep::share`]) run together on a dense layer, the
+/// shared rows read once from the leader's state (`attention_shared`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend_layer(
     pool: &ThreadPool,
     seqs: &mut [SeqStep<'_>],
     il: usize,
-    (n_head, n_head_kv, head_dim): (usize, usize, usize),
+    shape: (usize, usize, usize),
     scale: f32,
     q: &[f32],
     (k, v): (&[f32], &[f32]),
     att: &mut [f32],
 ) {
+    let (n_head, n_head_kv, head_dim) = shape;
     let (n_q, n_kv) = (n_head * head_dim, n_head_kv * head_dim);
-    let mut row = 0;
-    for s in seqs.iter_mut() {
-        let n = s.tokens.len();
+    let (offsets, _) = offsets(seqs);
+    for (s, &row) in seqs.iter_mut().zip(&offsets) {
+        let rs = row * n_kv..(row + s.tokens.len()) * n_kv;
         let state = state_of::<KvState>(&mut *s.state);
         let pos0 = state.len();
         let (rows, layout) = state.layer(il, scale);
-        let rs = row..row + n;
-        let (q, k, v) = (
-            &q[rs.start * n_q..rs.end * n_q],
-            &k[rs.start * n_kv..rs.end * n_kv],
-            &v[rs.start * n_kv..rs.end * n_kv],
-        );
-        let att = &mut att[rs.start * n_q..rs.end * n_q];
-        fn go<T: AsF32Rows>(
+        let (k, v) = (&k[rs.clone()], &v[rs]);
+        match rows {
+            LayerRows::F32(kr, vr) => {
+                store_rows((kr, vr), &layout, (n_head_kv, head_dim), pos0, k, v)
+            }
+            LayerRows::F16(kr, vr) => {
+                store_rows((kr, vr), &layout, (n_head_kv, head_dim), pos0, k, v)
+            }
+        }
+    }
+    let shares: Vec<Option<Share>> = seqs.iter().map(|s| s.share).collect();
+    let counts: Vec<usize> = seqs.iter().map(|s| s.tokens.len()).collect();
+    let n_seq = counts.len();
+    let states: Vec<&KvState> = seqs
+        .iter_mut()
+        .map(|s| &*state_of::<KvState>(&mut *s.state))
+        .collect();
+    let mut outs: Vec<&mut [f32]> = Vec::with_capacity(n_seq);
+    let mut rest = att;
+    for &n in &counts {
+        let (out, tail) = std::mem::take(&mut rest).split_at_mut(n * n_q);
+        outs.push(out);
+        rest = tail;
+    }
+    let query = |i: usize| &q[offsets[i] * n_q..][..counts[i] * n_q];
+    let mut done = vec![false; n_seq];
+    for leader in 0..n_seq {
+        let members: Vec<(usize, usize)> = (0..n_seq)
+            .filter_map(|i| match shares[i] {
+                Some(s) if s.leader == leader => Some((i, s.len)),
+                _ => (i == leader).then_some((i, 0)),
+            })
+            .collect();
+        let layout = states[leader].layout(il, scale);
+        if members.len() < 2 || layout.window.is_some() {
+            continue;
+        }
+        #[allow(clippy::too_many_arguments)]
+        fn go<'a, T: KvRows>(
             pool: &ThreadPool,
-            (kr, vr): (&mut [T], &mut [T]),
-            layout: crate::ops::AttnLayout,
+            states: &[&'a KvState],
+            (leader, members): (usize, &[(usize, usize)]),
+            il: usize,
+            layout: AttnLayout,
             (n_head, n_head_kv, head_dim): (usize, usize, usize),
-            pos0: usize,
-            (q, k, v): (&[f32], &[f32], &[f32]),
-            att: &mut [f32],
+            query: &dyn Fn(usize) -> &'a [f32],
+            outs: &mut [&mut [f32]],
         ) {
-            crate::state::store_rows((kr, vr), &layout, (n_head_kv, head_dim), pos0, k, v);
-            attention(
-                pool, q, kr, vr, layout, n_head, n_head_kv, head_dim, pos0, att,
+            let rows = |i: usize| {
+                T::rows(states[i].layer_ref(il))
+                    .expect("states whose rows compared equal have one element type")
+            };
+            let queries: Vec<SharedQuery<'_, T>> = members
+                .iter()
+                .map(|&(i, shared)| SharedQuery {
+                    q: query(i),
+                    kv: rows(i),
+                    pos: states[i].len(),
+                    shared,
+                })
+                .collect();
+            let mut group_outs: Vec<&mut [f32]> = members
+                .iter()
+                .map(|&(i, _)| std::mem::take(&mut outs[i]))
+                .collect();
+            attention_shared(
+                pool,
+                rows(leader),
+                &queries,
+                layout,
+                n_head,
+                n_head_kv,
+                head_dim,
+                &mut group_outs,
             );
         }
-        let shape = (n_head, n_head_kv, head_dim);
-        match rows {
-            LayerRows::F32(kr, vr) => go(pool, (kr, vr), layout, shape, pos0, (q, k, v), att),
-            LayerRows::F16(kr, vr) => go(pool, (kr, vr), layout, shape, pos0, (q, k, v), att),
+        let group = (leader, &members[..]);
+        match states[leader].layer_ref(il) {
+            LayerRowsRef::F32(..) => {
+                go::<f32>(pool, &states, group, il, layout, shape, &query, &mut outs)
+            }
+            LayerRowsRef::F16(..) => {
+                go::<u16>(pool, &states, group, il, layout, shape, &query, &mut outs)
+            }
         }
-        row += n;
+        members.iter().for_each(|&(i, _)| done[i] = true);
+    }
+    for (i, out) in outs.iter_mut().enumerate() {
+        if done[i] {
+            continue;
+        }
+        let (state, q) = (states[i], query(i));
+        let layout = state.layout(il, scale);
+        fn go<T: AsF32Rows>(
+            pool: &ThreadPool,
+            (kr, vr): (&[T], &[T]),
+            layout: AttnLayout,
+            (n_head, n_head_kv, head_dim): (usize, usize, usize),
+            pos0: usize,
+            q: &[f32],
+            out: &mut [f32],
+        ) {
+            attention(
+                pool, q, kr, vr, layout, n_head, n_head_kv, head_dim, pos0, out,
+            );
+        }
+        match state.layer_ref(il) {
+            LayerRowsRef::F32(kr, vr) => go(pool, (kr, vr), layout, shape, state.len(), q, out),
+            LayerRowsRef::F16(kr, vr) => go(pool, (kr, vr), layout, shape, state.len(), q, out),
+        }
     }
 }
 

@@ -390,6 +390,10 @@ impl SeqState for CompressedState {
         4 * floats as u64
     }
 
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
     fn as_any_mut(&mut self) -> &mut dyn Any {
         self
     }

@@ -27,6 +27,7 @@
 
 use std::any::Any;
 use std::io::{Read, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use ds4_kernels::attn::AsF32Rows;
 
@@ -83,12 +84,55 @@ pub(crate) enum LayerRows<'a> {
     F16(&'a mut [u16], &'a mut [u16]),
 }
 
+/// One layer's K and V rows, read-only.
+#[derive(Clone, Copy)]
+pub(crate) enum LayerRowsRef<'a> {
+    F32(&'a [f32], &'a [f32]),
+    F16(&'a [u16], &'a [u16]),
+}
+
+/// A K/V element type: how to find its rows in a [`LayerRowsRef`].
+pub(crate) trait KvRows: AsF32Rows + Sized {
+    fn rows(r: LayerRowsRef<'_>) -> Option<(&[Self], &[Self])>;
+}
+
+impl KvRows for f32 {
+    fn rows(r: LayerRowsRef<'_>) -> Option<(&[f32], &[f32])> {
+        match r {
+            LayerRowsRef::F32(k, v) => Some((k, v)),
+            LayerRowsRef::F16(..) => None,
+        }
+    }
+}
+
+impl KvRows for u16 {
+    fn rows(r: LayerRowsRef<'_>) -> Option<(&[u16], &[u16])> {
+        match r {
+            LayerRowsRef::F16(k, v) => Some((k, v)),
+            LayerRowsRef::F32(..) => None,
+        }
+    }
+}
+
+/// Which rows a state holds, for comparing two states' rows once and
+/// remembering it: `id` names the state for its life, `epoch` changes whenever
+/// rows below its length may have changed (a cut, a reset, a load). Appending
+/// writes only positions at or past the length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct RowsKey {
+    pub id: u64,
+    pub epoch: u64,
+}
+
+static NEXT_STATE_ID: AtomicU64 = AtomicU64::new(0);
+
 pub(crate) struct KvState {
     n_ctx: usize,
     max_step: usize,
     layers: Vec<KvLayer>,
     buf: KvBuf,
     len: usize,
+    rows_key: RowsKey,
 }
 
 impl KvState {
@@ -132,18 +176,84 @@ impl KvState {
             layers,
             buf,
             len: 0,
+            rows_key: RowsKey {
+                id: NEXT_STATE_ID.fetch_add(1, Ordering::Relaxed),
+                epoch: 0,
+            },
         }
+    }
+
+    /// How attention reads layer `il`.
+    pub fn layout(&self, il: usize, scale: f32) -> AttnLayout {
+        let l = &self.layers[il];
+        AttnLayout {
+            rows: l.rows,
+            window: l.spec.window,
+            scale,
+        }
+    }
+
+    /// See [`RowsKey`].
+    pub fn rows_key(&self) -> RowsKey {
+        self.rows_key
+    }
+
+    /// Rows below the length may change: what was learned about them is stale.
+    fn rows_changed(&mut self) {
+        self.rows_key.epoch += 1;
+    }
+
+    /// Layer `il`'s rows, read-only (see [`layer`](Self::layer)).
+    pub fn layer_ref(&self, il: usize) -> LayerRowsRef<'_> {
+        let l = &self.layers[il];
+        let range = l.offset..l.offset + l.len_elems();
+        match &self.buf {
+            KvBuf::F32 { k, v } => LayerRowsRef::F32(&k[range.clone()], &v[range]),
+            KvBuf::F16 { k, v } => LayerRowsRef::F16(&k[range.clone()], &v[range]),
+        }
+    }
+
+    /// Whether the layers of `self` and `other` have the same shapes and
+    /// element type, and every dense layer (the ones attention may read from
+    /// another state, see `attention_shared`) holds bitwise the same K and V
+    /// rows at positions `from..to` (both states hold them).
+    pub fn dense_rows_equal(&self, other: &KvState, from: usize, to: usize) -> bool {
+        let same_shape = self.layers.len() == other.layers.len()
+            && self.kv_type_of() == other.kv_type_of()
+            && self
+                .layers
+                .iter()
+                .zip(&other.layers)
+                .all(|(a, b)| a.spec == b.spec && a.rows == b.rows && a.offset == b.offset);
+        if !same_shape || to > self.len.min(other.len) {
+            return false;
+        }
+        let same_bits =
+            |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        let mut dense = self.layers.iter().filter(|l| l.spec.window.is_none());
+        dense.all(|l| {
+            (0..l.spec.n_head_kv).all(|h| {
+                let [run, _] = Self::runs(l, h, from, to);
+                match (&self.buf, &other.buf) {
+                    // Bits, not values: -0.0 == 0.0 and NaN != NaN.
+                    (KvBuf::F32 { k, v }, KvBuf::F32 { k: k2, v: v2 }) => {
+                        same_bits(&k[run.clone()], &k2[run.clone()])
+                            && same_bits(&v[run.clone()], &v2[run])
+                    }
+                    (KvBuf::F16 { k, v }, KvBuf::F16 { k: k2, v: v2 }) => {
+                        k[run.clone()] == k2[run.clone()] && v[run.clone()] == v2[run]
+                    }
+                    _ => false,
+                }
+            })
+        })
     }
 
     /// Layer `il`'s rows and how attention reads them (its scale is the family's).
     pub fn layer(&mut self, il: usize, scale: f32) -> (LayerRows<'_>, AttnLayout) {
+        let layout = self.layout(il, scale);
         let l = &self.layers[il];
         let range = l.offset..l.offset + l.len_elems();
-        let layout = AttnLayout {
-            rows: l.rows,
-            window: l.spec.window,
-            scale,
-        };
         let rows = match &mut self.buf {
             KvBuf::F32 { k, v } => LayerRows::F32(&mut k[range.clone()], &mut v[range]),
             KvBuf::F16 { k, v } => LayerRows::F16(&mut k[range.clone()], &mut v[range]),
@@ -215,6 +325,7 @@ impl KvState {
     /// `skip[il]` positions of each head of layer `il` (rows this state cannot
     /// hold).
     fn read_rows(&mut self, r: &mut dyn Read, skip: &[usize]) -> Result<()> {
+        self.rows_changed();
         let elem = self.element_bytes();
         for (il, &skip) in skip.iter().enumerate() {
             let l = &self.layers[il];
@@ -318,10 +429,12 @@ impl SeqState for KvState {
 
     fn cut_to(&mut self, n: usize) {
         debug_assert!(self.can_cut_to(n));
+        self.rows_changed();
         self.len = n;
     }
 
     fn reset(&mut self) {
+        self.rows_changed();
         self.len = 0;
         self.layers.iter_mut().for_each(|l| l.first = 0);
     }
@@ -337,6 +450,10 @@ impl SeqState for KvState {
     fn memory_bytes(&self) -> u64 {
         let elems: usize = self.layers.iter().map(KvLayer::len_elems).sum();
         2 * elems as u64 * self.element_bytes()
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
     }
 
     fn as_any_mut(&mut self) -> &mut dyn Any {
@@ -483,5 +600,78 @@ pub(crate) fn store_rows<T: AsF32Rows>(
                 *d = T::narrow(x);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Appends `n` positions whose K and V rows are `value`.
+    fn append(s: &mut KvState, n: usize, value: f32) {
+        for il in 0..s.layers.len() {
+            let pos0 = s.len;
+            let spec = s.layers[il].spec;
+            let (rows, layout) = s.layer(il, 1.0);
+            let x = vec![value; n * spec.n_head_kv * spec.head_dim];
+            let shape = (spec.n_head_kv, spec.head_dim);
+            match rows {
+                LayerRows::F32(k, v) => store_rows((k, v), &layout, shape, pos0, &x, &x),
+                LayerRows::F16(k, v) => store_rows((k, v), &layout, shape, pos0, &x, &x),
+            }
+        }
+        s.advance(n);
+    }
+
+    /// What the batch relies on to read one state's rows for another: the
+    /// key's epoch moves whenever rows below the length may change (a cut, a
+    /// reset, a load) and not when rows are appended; rows compare by their
+    /// bits on dense layers only, and states of other shapes never compare equal.
+    #[test]
+    fn rows_key_and_row_comparison() {
+        let specs = [
+            KvLayerSpec {
+                n_head_kv: 2,
+                head_dim: 4,
+                window: None,
+            },
+            KvLayerSpec {
+                n_head_kv: 1,
+                head_dim: 4,
+                window: Some(8),
+            },
+        ];
+        let new = |ty| KvState::new(&specs, 64, 4, ty);
+        let (mut a, mut b) = (new(KvType::F32), new(KvType::F32));
+        assert_ne!(a.rows_key().id, b.rows_key().id);
+        append(&mut a, 20, 1.0);
+        append(&mut b, 20, 1.0);
+        let key = a.rows_key();
+        append(&mut a, 3, 2.0);
+        assert_eq!(a.rows_key(), key, "appending keeps the key");
+        assert!(a.dense_rows_equal(&b, 0, 20));
+        assert!(!a.dense_rows_equal(&b, 0, 21), "past b's length");
+        append(&mut b, 3, -2.0);
+        assert!(!a.dense_rows_equal(&b, 16, 23));
+        assert!(a.dense_rows_equal(&b, 0, 20));
+        a.cut_to(10);
+        assert_ne!(a.rows_key(), key, "a cut moves the epoch");
+        let key = a.rows_key();
+        let mut bytes = Vec::new();
+        b.write(&mut bytes).unwrap();
+        a.read(b.len(), &mut bytes.as_slice()).unwrap();
+        assert_ne!(a.rows_key(), key, "a load moves the epoch");
+        assert!(a.dense_rows_equal(&b, 0, 23));
+        let key = a.rows_key();
+        a.reset();
+        assert_ne!(a.rows_key(), key, "a reset moves the epoch");
+        // -0.0 and 0.0 are equal values but not equal rows.
+        let (mut c, mut d) = (new(KvType::F32), new(KvType::F32));
+        append(&mut c, 4, 0.0);
+        append(&mut d, 4, -0.0);
+        assert!(!c.dense_rows_equal(&d, 0, 4));
+        let mut e = new(KvType::F16);
+        append(&mut e, 4, 0.0);
+        assert!(!c.dense_rows_equal(&e, 0, 4), "another element type");
     }
 }

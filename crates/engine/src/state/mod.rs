@@ -24,7 +24,7 @@ use std::any::Any;
 use std::io::{Read, Write};
 
 pub(crate) use compressed::{CompLayer, CompressedSpec, CompressedState};
-pub(crate) use kv::{store_rows, KvLayerSpec, KvState, LayerRows};
+pub(crate) use kv::{store_rows, KvLayerSpec, KvRows, KvState, LayerRows, LayerRowsRef, RowsKey};
 
 use crate::error::Result;
 use crate::kv_type::KvType;
@@ -73,6 +73,7 @@ pub(crate) trait SeqState: Send {
     /// Memory the state holds, in bytes.
     fn memory_bytes(&self) -> u64;
 
+    fn as_any(&self) -> &dyn Any;
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
