@@ -208,11 +208,11 @@ fn ctrl_c_stops_a_generation_and_a_second_one_quits_with_a_save() {
     // The echo.
     p.expect("dragon.").unwrap();
     // Ctrl-C once the turn has printed words, so the line editor has handed
-    // the terminal back: typed into the editor, a Ctrl-C is a key waiting for
-    // its next prompt, not the SIGINT that stops a turn. Neither a fixed 1.5 s
-    // wait nor any character after the echo was enough on a loaded machine
-    // (the editor's own escape sequences end its line; the turn ran all its
-    // tokens); three letters in a row are the model's text.
+    // the terminal back (typed into the editor, a Ctrl-C is a key for its
+    // next prompt). The agent counts SIGINTs with a handler registered after
+    // the editor's own: registered before it, the handler was replaced and
+    // the Ctrl-C lost, the turn running all its tokens (the flake of earlier
+    // full-suite runs, when the registering thread won a race).
     p.expect(Regex(r"[[:alpha:]]{3}")).unwrap();
     p.send(expectrl::ControlCode::EndOfText).unwrap();
     p.expect("(stopped; Ctrl-C again to quit)").unwrap();

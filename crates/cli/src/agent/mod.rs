@@ -194,13 +194,14 @@ impl<'a> Agent<'a> {
             .with_context(|| format!("opening {}", kv_dir.display()))?;
         let store = Store::open(&kv_dir, config)?;
         let index = SessionIndex::open(&home.join("sessions"))?;
-        let interrupts = watch_interrupts();
+        let interrupts = Arc::new(AtomicUsize::new(0));
         let ui = Ui::new(
             a.plain,
             a.task.is_some(),
             (a.task.is_none()).then(|| home.join("history")),
             Arc::clone(&interrupts),
         );
+        count_interrupts(&interrupts).context("watching for Ctrl-C")?;
         // The runtime's failures dimmed on stderr (everything with
         // --verbose); plans, saves and loads are what the status line sums up.
         let (dim, verbose) = (!a.plain, a.verbose);
@@ -976,25 +977,30 @@ fn show(ui: &mut Ui, piece: Piece, thinking: &mut Thinking) -> Result<()> {
     }
 }
 
-/// Counts SIGINTs (Ctrl-C while a turn runs; at the line editor's prompt
-/// Ctrl-C is a key it reports itself).
-fn watch_interrupts() -> Arc<AtomicUsize> {
-    let n = Arc::new(AtomicUsize::new(0));
-    let seen = Arc::clone(&n);
+/// Counts SIGINTs in `n` (Ctrl-C while a turn runs; at the line editor's
+/// prompt Ctrl-C is a key it reports itself), from the moment this returns.
+/// Called once the line editor exists: the editor puts its own SIGINT handler
+/// in place when it is created, over whatever was there, while a handler
+/// registered after it chains to it. Registered first (on a thread that raced
+/// the editor's creation), a turn's Ctrl-C was sometimes lost.
+fn count_interrupts(n: &Arc<AtomicUsize>) -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let seen = Arc::clone(n);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let mut sigint = {
+        let _in_runtime = rt.enter();
+        signal(SignalKind::interrupt())?
+    };
     std::thread::spawn(move || {
-        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-        else {
-            return;
-        };
         rt.block_on(async {
-            while tokio::signal::ctrl_c().await.is_ok() {
+            while sigint.recv().await.is_some() {
                 seen.fetch_add(1, Ordering::AcqRel);
             }
         });
     });
-    n
+    Ok(())
 }
 
 fn now() -> u64 {
