@@ -254,6 +254,15 @@ pub trait F2Block: bytemuck::Pod + sealed::Sealed {
     const HEAD_BYTES: usize = Self::HEADS * CHUNK * Self::HEAD_SIZE;
     /// Bytes of a whole chunk (heads and eight blocks' quants) in [`F2Matrix`].
     const CHUNK_BYTES: usize = Self::HEAD_BYTES + CHUNK * Self::QUANT_BYTES;
+    /// Bits of a quant in a unit's word of [`F2Layout::Pairs`]; 0 for blocks
+    /// never laid out in pairs.
+    const PAIR_BITS: usize = 0;
+    /// Blocks a unit of [`F2Layout::Pairs`] holds (64 bytes).
+    const PAIR_UNIT: usize = if Self::PAIR_BITS == 0 {
+        1
+    } else {
+        16 / (2 * Self::PAIR_BITS)
+    };
     #[doc(hidden)]
     fn quants(&self) -> [i32; QK_ACT16];
     /// The scale of lane `l` (the same for all lanes but in a split block).
@@ -289,6 +298,7 @@ fn f16_head(h: [u8; 2]) -> [u8; 4] {
 impl F2Block for BlockQ4_1 {
     const KIND: F2Kind = F2Kind::Q4_1;
     const HAS_MIN: bool = true;
+    const PAIR_BITS: usize = 4;
     const QUANT_BYTES: usize = 16;
     fn quants(&self) -> [i32; QK_ACT16] {
         nibble_quants(&self.qs)
@@ -316,6 +326,7 @@ impl F2Block for BlockQ4_1 {
 impl F2Block for BlockQ8_0 {
     const KIND: F2Kind = F2Kind::Q8_0;
     const HAS_MIN: bool = false;
+    const PAIR_BITS: usize = 8;
     const QUANT_BYTES: usize = 32;
     fn quants(&self) -> [i32; QK_ACT16] {
         self.qs.map(i32::from)
@@ -539,18 +550,44 @@ impl F2Block for SubQ6K {
 /// Blocks per chunk of [`F2Matrix`] (one 8-lane vector of heads).
 pub(crate) const CHUNK: usize = LANES;
 
-/// A matrix of [`F2Block`]s re-laid for order F2's kernels, built once at load:
-/// per row, per chunk of eight blocks (the last may be shorter), the chunk's
-/// eight `d`s, with a second head its eight `m`s (or `d2`s), then the chunk's
-/// blocks' quants, each as stored in the block. A chunk's heads are one vector
-/// load instead of a gather across eight blocks (decode measured 1.5x faster).
-/// The same bytes as the blocks, plus zero heads padding a short last chunk.
+/// A matrix of [`F2Block`]s re-laid for order F2's kernels, built once at load,
+/// in one of two layouts ([`F2Layout`]).
+///
+/// [`F2Layout::Rows`]: per row, per chunk of eight blocks (the last may be
+/// shorter), the chunk's eight `d`s, with a second head its eight `m`s (or
+/// `d2`s), then the chunk's blocks' quants, each as stored in the block. A
+/// chunk's heads are one vector load instead of a gather across eight blocks
+/// (decode measured 1.5x faster). The same bytes as the blocks, plus zero heads
+/// padding a short last chunk.
+///
+/// [`F2Layout::Pairs`] (Q4_1 and Q8_0, for the tiers that read it): rows two
+/// by two (an odd last row paired with itself); per pair and chunk, the eight
+/// `d`s of both rows interleaved (`d0[0], d1[0], d0[1], ...`), for Q4_1 the same
+/// for the `m`s, then the chunk's blocks in units of 32 little-endian words:
+/// two blocks a unit for Q4_1 (an odd last block paired with a zero block), one
+/// for Q8_0. Word `i` of a unit holds, from its low bits up, `E[i]` and `O[i]`
+/// of its first block, then of its second (Q4_1: four nibbles; Q8_0: two
+/// bytes), where `E[i]` is element `4·(i/4) + 2·(i%2)` of row `(i/2) % 2` and
+/// `O[i]` the element after it. Masked and shifted, a unit is vectors of 16-bit
+/// quants whose dword `2l + r` is lane `l` of row `r`: the pair of its even
+/// elements in `E`, of its odd ones in `O`.
 #[derive(Clone, Debug)]
 pub struct F2Matrix {
     kind: F2Kind,
+    layout: F2Layout,
     nb: usize,
     n_rows: usize,
     bytes: Vec<u8>,
+}
+
+/// How an [`F2Matrix`] lays its rows out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum F2Layout {
+    /// Row after row: every tier reads it.
+    Rows,
+    /// Q4_1 or Q8_0 rows two by two, for the tiers whose decode tile reads a
+    /// row pair's block with one load (see [`F2Matrix`]).
+    Pairs,
 }
 
 /// Bytes of one row of `nb` blocks of `B` in [`F2Matrix`].
@@ -558,18 +595,69 @@ pub(crate) fn f2_row_bytes<B: F2Block>(nb: usize) -> usize {
     nb.div_ceil(CHUNK) * B::HEAD_BYTES + nb * B::QUANT_BYTES
 }
 
+/// Blocks [`F2Layout::Pairs`] takes: Q4_1 (nibbles, two blocks a unit) and
+/// Q8_0 (bytes, one block a unit), [`F2Block::PAIR_BITS`] a quant.
+pub trait PairBlock: F2Block {
+    /// A quant from its bits in a unit's word.
+    #[doc(hidden)]
+    fn from_bits(bits: u16) -> i32;
+    /// The stored quant bytes of a block of quants `q` (the first
+    /// [`F2Block::QUANT_BYTES`] of them).
+    #[doc(hidden)]
+    fn stored(q: &[i32; QK_ACT16]) -> [u8; QK_ACT16];
+}
+
+impl PairBlock for BlockQ4_1 {
+    fn from_bits(bits: u16) -> i32 {
+        i32::from(bits)
+    }
+    fn stored(q: &[i32; QK_ACT16]) -> [u8; QK_ACT16] {
+        // Element e in the low nibble of byte e, e + 16 in the high.
+        std::array::from_fn(|e| match e {
+            0..16 => (q[e] | q[e + 16] << 4) as u8,
+            _ => 0,
+        })
+    }
+}
+
+impl PairBlock for BlockQ8_0 {
+    fn from_bits(bits: u16) -> i32 {
+        i32::from(bits as u8 as i8)
+    }
+    fn stored(q: &[i32; QK_ACT16]) -> [u8; QK_ACT16] {
+        q.map(|q| q as i8 as u8)
+    }
+}
+
+/// Bytes of a chunk of `len` blocks of a pair of rows in [`F2Layout::Pairs`]:
+/// the heads (sixteen f16s each), then the blocks in units of 64 bytes.
+pub(crate) const fn pair_chunk_bytes<B: F2Block>(len: usize) -> usize {
+    32 * B::HEADS + len.div_ceil(B::PAIR_UNIT) * 64
+}
+
+/// Bytes of one pair of rows of `nb` blocks in [`F2Layout::Pairs`].
+pub(crate) fn f2_pair_bytes<B: F2Block>(nb: usize) -> usize {
+    let full = nb / CHUNK * pair_chunk_bytes::<B>(CHUNK);
+    match nb % CHUNK {
+        0 => full,
+        rest => full + pair_chunk_bytes::<B>(rest),
+    }
+}
+
+/// Row `(i / 2) % 2` and element of word `i`'s `E` quant in a unit of
+/// [`F2Layout::Pairs`] (its `O` quant is the element after it).
+const fn pair_word(i: usize) -> (usize, usize) {
+    ((i / 2) % 2, 4 * (i / 4) + 2 * (i % 2))
+}
+
 impl F2Matrix {
-    /// Re-lays `w`, rows of `nb` blocks back to back.
+    /// Re-lays `w`, rows of `nb` blocks back to back, as [`F2Layout::Rows`].
     ///
     /// # Panics
     /// If `nb` is 0 or `w` is not whole rows (shapes are validated at load).
     pub fn pack<B: F2Block>(w: &[B], nb: usize) -> Self {
-        assert!(
-            nb > 0 && w.len().is_multiple_of(nb),
-            "F2 layout: {} blocks in rows of {nb}",
-            w.len()
-        );
-        let mut bytes = Vec::with_capacity(w.len() / nb * f2_row_bytes::<B>(nb));
+        let n_rows = check_rows(w.len(), nb);
+        let mut bytes = Vec::with_capacity(n_rows * f2_row_bytes::<B>(nb));
         for row in w.chunks_exact(nb) {
             for chunk in row.chunks(CHUNK) {
                 for k in 0..B::HEADS {
@@ -586,8 +674,56 @@ impl F2Matrix {
         }
         F2Matrix {
             kind: B::KIND,
+            layout: F2Layout::Rows,
             nb,
-            n_rows: w.len() / nb,
+            n_rows,
+            bytes,
+        }
+    }
+
+    /// Re-lays rows `w` of `nb` blocks as [`F2Layout::Pairs`].
+    ///
+    /// # Panics
+    /// As [`Self::pack`].
+    pub fn pack_pairs<B: PairBlock>(w: &[B], nb: usize) -> Self {
+        let n_rows = check_rows(w.len(), nb);
+        let mut bytes = Vec::with_capacity(n_rows.div_ceil(2) * f2_pair_bytes::<B>(nb));
+        let mask = (1u16 << B::PAIR_BITS) - 1;
+        for p in 0..n_rows.div_ceil(2) {
+            let rows = [2 * p, (2 * p + 1).min(n_rows - 1)].map(|r| &w[r * nb..(r + 1) * nb]);
+            for c in 0..nb.div_ceil(CHUNK) {
+                let blocks = rows.map(|r| &r[CHUNK * c..(CHUNK * c + CHUNK).min(nb)]);
+                for k in 0..B::HEADS {
+                    for j in 0..CHUNK {
+                        for r in blocks {
+                            let h = r.get(j).map_or([0; 4], |b| b.head(k));
+                            bytes.extend_from_slice(&h[..2]);
+                        }
+                    }
+                }
+                for u in 0..blocks[0].len().div_ceil(B::PAIR_UNIT) {
+                    let unit: Vec<[Option<[i32; QK_ACT16]>; 2]> = (0..B::PAIR_UNIT)
+                        .map(|k| blocks.map(|r| r.get(B::PAIR_UNIT * u + k).map(|b| b.quants())))
+                        .collect();
+                    for i in 0..32 {
+                        let (r, e) = pair_word(i);
+                        let mut word = 0u16;
+                        for (k, q) in unit.iter().enumerate() {
+                            if let Some(q) = q[r] {
+                                let (even, odd) = (q[e] as u16 & mask, q[e + 1] as u16 & mask);
+                                word |= (even | odd << B::PAIR_BITS) << (2 * B::PAIR_BITS * k);
+                            }
+                        }
+                        bytes.extend_from_slice(&word.to_le_bytes());
+                    }
+                }
+            }
+        }
+        F2Matrix {
+            kind: B::KIND,
+            layout: F2Layout::Pairs,
+            nb,
+            n_rows,
             bytes,
         }
     }
@@ -607,24 +743,55 @@ impl F2Matrix {
         self.kind
     }
 
-    /// Rows `rows` as blocks of `B`.
+    /// How its rows are laid out.
+    pub fn layout(&self) -> F2Layout {
+        self.layout
+    }
+
+    /// Rows `rows` as blocks of `B`; in [`F2Layout::Pairs`] `rows` starts at
+    /// an even row (its pair's first), and a range ending inside a pair holds
+    /// the whole pair.
     ///
     /// # Panics
-    /// If the matrix was not packed from `B` blocks or `rows` is out of range.
+    /// If the matrix was not packed from `B` blocks, `rows` is out of range or,
+    /// in pairs, starts at an odd row.
     pub fn rows<B: F2Block>(&self, rows: std::ops::Range<usize>) -> F2Rows<'_, B> {
         assert!(
             self.kind == B::KIND && rows.start <= rows.end && rows.end <= self.n_rows,
             "F2 layout: rows {rows:?} of {} as the wrong format or out of range",
             self.n_rows
         );
-        let rb = f2_row_bytes::<B>(self.nb);
+        let bytes = match self.layout {
+            F2Layout::Rows => {
+                let rb = f2_row_bytes::<B>(self.nb);
+                &self.bytes[rows.start * rb..rows.end * rb]
+            }
+            F2Layout::Pairs => {
+                assert!(
+                    rows.start.is_multiple_of(2),
+                    "F2 layout: rows {rows:?} start inside a pair"
+                );
+                let pb = f2_pair_bytes::<B>(self.nb);
+                &self.bytes[rows.start / 2 * pb..rows.end.div_ceil(2) * pb]
+            }
+        };
         F2Rows {
             nb: self.nb,
             n_rows: rows.len(),
-            bytes: &self.bytes[rows.start * rb..rows.end * rb],
+            layout: self.layout,
+            bytes,
             _block: std::marker::PhantomData,
         }
     }
+}
+
+/// Rows of `nb` blocks in `blocks` blocks.
+fn check_rows(blocks: usize, nb: usize) -> usize {
+    assert!(
+        nb > 0 && blocks.is_multiple_of(nb),
+        "F2 layout: {blocks} blocks in rows of {nb}"
+    );
+    blocks / nb
 }
 
 /// Consecutive rows of an [`F2Matrix`] of `B` blocks.
@@ -632,19 +799,46 @@ impl F2Matrix {
 pub struct F2Rows<'a, B> {
     pub(crate) nb: usize,
     pub(crate) n_rows: usize,
+    pub(crate) layout: F2Layout,
     pub(crate) bytes: &'a [u8],
     _block: std::marker::PhantomData<B>,
 }
 
-impl<B: F2Block> F2Rows<'_, B> {
-    /// Bytes per row.
+impl<'a, B: F2Block> F2Rows<'a, B> {
+    /// Bytes per row of [`F2Layout::Rows`], which the kernels that read rows
+    /// by their offsets take.
+    ///
+    /// # Panics
+    /// If the rows are laid out in pairs.
     pub(crate) fn row_bytes(&self) -> usize {
+        assert!(
+            self.layout == F2Layout::Rows,
+            "F2 layout: rows in pairs handed to a kernel that reads rows"
+        );
         f2_row_bytes::<B>(self.nb)
+    }
+
+    /// These rows as rows of `P` in pairs, if they are `P` blocks laid out so.
+    pub(crate) fn in_pairs<P: PairBlock>(&self) -> Option<F2Rows<'a, P>> {
+        (self.layout == F2Layout::Pairs && B::KIND == P::KIND).then_some(F2Rows {
+            nb: self.nb,
+            n_rows: self.n_rows,
+            layout: self.layout,
+            bytes: self.bytes,
+            _block: std::marker::PhantomData,
+        })
     }
 
     /// Block `b` of row `r`, as it was packed.
     pub(crate) fn block(&self, r: usize, b: usize) -> B {
         let (c, j) = (b / CHUNK, b % CHUNK);
+        if self.layout == F2Layout::Pairs {
+            return match (self.in_pairs::<BlockQ4_1>(), self.in_pairs::<BlockQ8_0>()) {
+                (Some(w), _) => from_pair(w.pair_block(r, c, j)),
+                (_, Some(w)) => from_pair(w.pair_block(r, c, j)),
+                _ => unreachable!("only Q4_1 and Q8_0 rows are packed in pairs"),
+            };
+        }
         let chunk = r * self.row_bytes() + c * B::CHUNK_BYTES;
         let head = |k: usize| {
             let mut h = [0u8; 4];
@@ -656,6 +850,39 @@ impl<B: F2Block> F2Rows<'_, B> {
         };
         let q = chunk + B::HEAD_BYTES + j * B::QUANT_BYTES;
         B::from_parts([head(0), head(1)], &self.bytes[q..q + B::QUANT_BYTES])
+    }
+}
+
+/// A block of one kind as itself (`P` is `B`: their kinds were compared).
+fn from_pair<P: F2Block, B: F2Block>(b: P) -> B {
+    B::from_parts([b.head(0), b.head(1)], b.quant_bytes())
+}
+
+impl<P: PairBlock> F2Rows<'_, P> {
+    /// Block `j` of chunk `c` of row `r` in [`F2Layout::Pairs`]: its heads and
+    /// quants gathered back from the pair's chunk.
+    fn pair_block(&self, r: usize, c: usize, j: usize) -> P {
+        let row = r % 2;
+        let chunk = r / 2 * f2_pair_bytes::<P>(self.nb) + c * pair_chunk_bytes::<P>(CHUNK);
+        let head = |k: usize| match k < P::HEADS {
+            true => {
+                let at = chunk + 32 * k + 2 * (2 * j + row);
+                [self.bytes[at], self.bytes[at + 1], 0, 0]
+            }
+            false => [0; 4],
+        };
+        let unit = chunk + 32 * P::HEADS + 64 * (j / P::PAIR_UNIT);
+        let shift = 2 * P::PAIR_BITS * (j % P::PAIR_UNIT);
+        let mask = (1u16 << P::PAIR_BITS) - 1;
+        let mut q = [0i32; QK_ACT16];
+        for i in (0..32).filter(|&i| pair_word(i).0 == row) {
+            let at = unit + 2 * i;
+            let word = u16::from_le_bytes([self.bytes[at], self.bytes[at + 1]]) >> shift;
+            let e = pair_word(i).1;
+            q[e] = P::from_bits(word & mask);
+            q[e + 1] = P::from_bits(word >> P::PAIR_BITS & mask);
+        }
+        P::from_parts([head(0), head(1)], &P::stored(&q)[..P::QUANT_BYTES])
     }
 }
 
@@ -846,6 +1073,75 @@ mod tests {
             assert_eq!(row.sum[b], s * total as f32);
         }
         assert!(row.q[64..96].iter().all(|&q| q == 0));
+    }
+
+    /// Every block read back from both layouts, over odd row counts, short
+    /// chunks and ranges from every pair; and a unit's words as documented.
+    fn layouts_give_back_every_block<B: PairBlock + PartialEq + std::fmt::Debug>(seed: u64) {
+        let mut rng = XorShift::new(seed);
+        for (n_rows, nb) in [(1, 1), (2, 3), (5, 8), (7, 9), (4, 18)] {
+            let mut w = vec![B::zeroed(); n_rows * nb];
+            for b in bytemuck::cast_slice_mut::<B, u8>(&mut w) {
+                *b = rng.byte();
+            }
+            let (rows, pairs) = (F2Matrix::pack(&w, nb), F2Matrix::pack_pairs(&w, nb));
+            assert_eq!(pairs.layout(), F2Layout::Pairs);
+            assert_eq!(
+                pairs.bytes.len(),
+                n_rows.div_ceil(2) * f2_pair_bytes::<B>(nb)
+            );
+            for first in (0..n_rows).step_by(2) {
+                let (rows, pairs) = (
+                    rows.rows::<B>(first..n_rows),
+                    pairs.rows::<B>(first..n_rows),
+                );
+                for r in 0..n_rows - first {
+                    for b in 0..nb {
+                        let want = w[(first + r) * nb + b];
+                        assert_eq!(rows.block(r, b), want, "rows: row {r} block {b}");
+                        assert_eq!(pairs.block(r, b), want, "pairs: row {r} block {b}");
+                    }
+                }
+            }
+            // Word i of the first unit: E and O of each of its blocks, from the
+            // low bits up (the documented layout, read directly).
+            let unit = &pairs.bytes[32 * B::HEADS..][..64];
+            let q = |r: usize, b: usize| match b < nb {
+                true => w[r.min(n_rows - 1) * nb + b].quants(),
+                false => [0; QK_ACT16],
+            };
+            let mask = (1u16 << B::PAIR_BITS) - 1;
+            for i in 0..32 {
+                let (r, e) = pair_word(i);
+                let word = u16::from_le_bytes([unit[2 * i], unit[2 * i + 1]]);
+                for k in 0..B::PAIR_UNIT {
+                    let field =
+                        |f: usize| B::from_bits(word >> (B::PAIR_BITS * (2 * k + f)) & mask);
+                    assert_eq!(
+                        (field(0), field(1)),
+                        (q(r, k)[e], q(r, k)[e + 1]),
+                        "word {i}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn both_layouts_give_back_every_q4_1_block() {
+        layouts_give_back_every_block::<BlockQ4_1>(24);
+    }
+
+    #[test]
+    fn both_layouts_give_back_every_q8_0_block() {
+        layouts_give_back_every_block::<BlockQ8_0>(25);
+    }
+
+    #[test]
+    #[should_panic(expected = "start inside a pair")]
+    fn rows_in_pairs_start_at_a_pair() {
+        let w = vec![BlockQ4_1::zeroed(); 4];
+        let _ = F2Matrix::pack_pairs(&w, 1).rows::<BlockQ4_1>(1..4);
     }
 
     #[test]

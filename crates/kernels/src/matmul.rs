@@ -4,7 +4,7 @@
 
 use std::cell::RefCell;
 
-use crate::act16::{Act16, F2Kind, F2Matrix, SubQ4K, SubQ6K};
+use crate::act16::{Act16, F2Kind, F2Layout, F2Matrix, SubQ4K, SubQ6K};
 use crate::pool::ThreadPool;
 use crate::q4_1::BlockQ4_1;
 use crate::q5_0::BlockQ5_0;
@@ -44,16 +44,23 @@ impl<'a> WeightMatrix<'a> {
     /// too on a tier that runs them fast, else they become the Q8_0 blocks
     /// holding exactly their values (the same results, from 1.55 times the
     /// bytes); Q4_K and Q6_K as their sub-blocks of 32 with f32 scales
-    /// ([`SubQ4K`], [`SubQ6K`]: 1.33 and 1.52 times their bytes). `None` for
-    /// the other formats, which it runs from `data`.
+    /// ([`SubQ4K`], [`SubQ6K`]: 1.33 and 1.52 times their bytes). Q4_1 and
+    /// Q8_0 rows in pairs on a tier whose decode tile reads them so. `None` for the other
+    /// formats, which it runs from `data`.
     pub fn pack_f2(&self) -> Option<F2Matrix> {
         let nb = self.n_in / crate::act16::QK_ACT16;
         let data = self.data;
         // The kind is the one decision (per format, and Q5_0's per tier).
         Some(match (f2_kind(self.fmt)?, self.fmt) {
+            (F2Kind::Q4_1, _) if crate::kernels().f2_pairs => {
+                F2Matrix::pack_pairs::<BlockQ4_1>(cast_rows(self, data), nb)
+            }
             (F2Kind::Q4_1, _) => F2Matrix::pack::<BlockQ4_1>(cast_rows(self, data), nb),
             (F2Kind::Q8_0, WeightFormat::Q5_0) => {
                 F2Matrix::pack(&crate::q5_0::to_q8_0(cast_rows(self, data)), nb)
+            }
+            (F2Kind::Q8_0, WeightFormat::Q8_0) if crate::kernels().f2_pairs => {
+                F2Matrix::pack_pairs::<BlockQ8_0>(cast_rows(self, data), nb)
             }
             (F2Kind::Q8_0, _) => F2Matrix::pack::<BlockQ8_0>(cast_rows(self, data), nb),
             (F2Kind::Q5_0, _) => F2Matrix::pack::<BlockQ5_0>(cast_rows(self, data), nb),
@@ -122,8 +129,9 @@ const ROW_BLOCK: usize = 64;
 /// `out[t * n_out + r] = w.row(r) · act.row(t)` for every token `t` of `act`, with
 /// activations already converted to `w.fmt.activation_format()`: each value is
 /// exactly [`crate::vec_dot`] of its row and token, however many threads and tokens.
-/// Q4_1 rows with their packed layout go through
-/// [`crate::q8_matvec::gemm_q4_1_q8_0_f2`] for any number of tokens; without it,
+/// Q4_1 rows with their packed layout (row after row) go through
+/// [`crate::q8_matvec::gemm_q4_1_q8_0_f2`] for any number of tokens; without it
+/// (or with rows in pairs, which it does not read),
 /// several tokens through the batched [`crate::q8_matvec::gemm_q4_1_q8_0`]
 /// (weights unpacked once for all tokens); otherwise blocks of [`ROW_BLOCK`] rows
 /// meet every token.
@@ -142,7 +150,7 @@ pub fn matmul(
     pool.run_dynamic(units.count, &|u| {
         let rows = units.rows(u);
         if let (Some(f2), Some(y)) = (
-            w.f2.filter(|_| w.fmt == WeightFormat::Q4_1),
+            w.f2.filter(|f2| w.fmt == WeightFormat::Q4_1 && f2.layout() == F2Layout::Rows),
             act.q8_0_blocks(),
         ) {
             if !rows.is_empty() {

@@ -92,3 +92,17 @@ pub(crate) fn check_close(name: &str, got: &[f32], want: &[f32], tol: impl Fn(us
         );
     }
 }
+
+/// The fastest of `f`'s runs over about half a second, in nanoseconds (after
+/// one warm-up run): the ignored timing tests' measure.
+pub(crate) fn best_ns(mut f: impl FnMut()) -> f64 {
+    f();
+    let start = std::time::Instant::now();
+    let mut best = f64::INFINITY;
+    while start.elapsed().as_secs_f64() < 0.5 {
+        let t = std::time::Instant::now();
+        f();
+        best = best.min(t.elapsed().as_nanos() as f64);
+    }
+    best
+}

@@ -882,10 +882,15 @@ fn act16_products_are_bit_identical_on_every_tier() {
                     b.d2 = f32_head(&mut rng, how, |b| f32::from(b as i8));
                 }
                 let (p4, p8) = (F2Matrix::pack(&w4, nb), F2Matrix::pack(&w8, nb));
+                let (p4_pairs, p8_pairs) =
+                    (F2Matrix::pack_pairs(&w4, nb), F2Matrix::pack_pairs(&w8, nb));
                 let p5 = F2Matrix::pack(&w5, nb);
                 let (p4k, p6k) = (F2Matrix::pack(&w4k, nb), F2Matrix::pack(&w6k, nb));
-                // All rows, and all but the first (a unit of rows mid-matrix).
-                for first in [0, 1.min(n_rows - 1)] {
+                // All rows, and all but the first or the first two (a unit of
+                // rows mid-matrix; in pairs only from a pair's first row).
+                let mut firsts = vec![0, 1.min(n_rows - 1), 2.min(n_rows - 1)];
+                firsts.dedup();
+                for first in firsts {
                     let rows = n_rows - first;
                     for acts in [&quantized, &raw] {
                         let mut want4 = vec![0.0; rows * n_tok];
@@ -908,6 +913,16 @@ fn act16_products_are_bit_identical_on_every_tier() {
                             assert_eq!(bits(&got), bits(&want4), "q4_1 {case}");
                             (k.gemm_q8_0_act16)(p8.rows(first..n_rows), acts, &mut got);
                             assert_eq!(bits(&got), bits(&want8), "q8_0 {case}");
+                            // Rows in pairs: where the tier lays them out so, and on
+                            // the scalar tier (which reads any layout block by block).
+                            if first.is_multiple_of(2) && (k.f2_pairs || k.tier == "scalar") {
+                                got.fill(f32::NAN);
+                                (k.gemm_q4_1_act16)(p4_pairs.rows(first..n_rows), acts, &mut got);
+                                assert_eq!(bits(&got), bits(&want4), "q4_1 in pairs {case}");
+                                got.fill(f32::NAN);
+                                (k.gemm_q8_0_act16)(p8_pairs.rows(first..n_rows), acts, &mut got);
+                                assert_eq!(bits(&got), bits(&want8), "q8_0 in pairs {case}");
+                            }
                             (k.gemm_q5_0_act16)(p5.rows(first..n_rows), acts, &mut got);
                             assert_eq!(bits(&got), bits(&want5), "q5_0 {case}");
                             (k.gemm_q4_k_act16)(p4k.rows(first..n_rows), acts, &mut got);
@@ -1204,19 +1219,8 @@ fn attention_groups_are_bit_identical_on_every_tier() {
 #[test]
 #[ignore]
 fn bench_fast() {
+    use crate::testing::best_ns;
     use std::hint::black_box;
-    use std::time::Instant;
-    fn best_ns(mut f: impl FnMut()) -> f64 {
-        f();
-        let start = Instant::now();
-        let mut best = f64::INFINITY;
-        while start.elapsed().as_secs_f64() < 0.5 {
-            let t = Instant::now();
-            f();
-            best = best.min(t.elapsed().as_nanos() as f64);
-        }
-        best
-    }
     let mut rng = XorShift::new(171);
     let simd: Vec<&Kernels> = available_tiers()
         .into_iter()

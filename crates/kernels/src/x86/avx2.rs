@@ -46,6 +46,7 @@ pub(super) static KERNELS: Kernels = Kernels {
     // Expanding Q5_0's fifth bits doubles the decode tile's operations per
     // block (in cache 1.8x the time of Q8_0's) and cost Gemma 3's prefill 8%.
     q5_0_native: false,
+    f2_pairs: false,
     vec_dot_q4_0_q8_0,
     vec_dot_q4_1_q8_0,
     vec_dot_q5_0_q8_0,

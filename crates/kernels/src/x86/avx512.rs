@@ -30,6 +30,9 @@ pub(super) static KERNELS: Kernels = Kernels {
     // Q5_0's fifth bits are one mask register, so its blocks run as fast as
     // Q8_0's (prefill) or read 35% fewer bytes (decode; Gemma 3 tg128 +5-12%).
     q5_0_native: true,
+    // A row pair's Q4_1 or Q8_0 block is one load and three operations to
+    // widen, and its scales one broadcast (see act16/pairs.rs).
+    f2_pairs: true,
     // Order F2 (the fast path's Q4_1/Q8_0 products) and its activation rounding.
     quantize_act16: act16::quantize_act16,
     gemm_q4_1_act16: act16::gemm_act16::<BlockQ4_1>,

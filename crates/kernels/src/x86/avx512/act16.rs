@@ -28,10 +28,15 @@ use std::arch::x86_64::*;
 
 use super::super::avx2::{f2_heads, fifth_bits, nibbles_in_order, Prefetch};
 use super::reduce_pairs;
-use crate::act16::{Act16, Act16Row, F2Block, F2Rows, SubQ4K, SubQ6K, ACT16_MAX, CHUNK, QK_ACT16};
+use crate::act16::{
+    f2_pair_bytes, Act16, Act16Row, F2Block, F2Layout, F2Rows, SubQ4K, SubQ6K, ACT16_MAX, CHUNK,
+    QK_ACT16,
+};
 use crate::q4_1::BlockQ4_1;
 use crate::q5_0::BlockQ5_0;
 use crate::q8_0::BlockQ8_0;
+
+mod pairs;
 
 /// `vpshufb` indices that widen quant bytes to 16-bit words with every 32-bit
 /// pair duplicated. Lane `L` of the source holds elements `8L..8L + 8` at byte
@@ -100,9 +105,34 @@ pub(super) trait Block16x2: F2Block {
     /// # Safety
     /// As [`Self::quants_dup`], for both pointers.
     unsafe fn quants_halves(q0: *const u8, q1: *const u8) -> [__m512i; 2];
+
+    /// A unit of a row pair's blocks in [`crate::act16::F2Layout::Pairs`]
+    /// widened: per block of it (see [`F2Block::PAIR_UNIT`]) its `E` and `O`
+    /// words (dword `2l + r`: lane `l` of row `r`), zeros after the last.
+    ///
+    /// # Safety
+    /// `q` points at 64 readable bytes; the CPU has AVX-512 F/BW.
+    unsafe fn pair_unit(_q: *const u8) -> [__m512i; 4] {
+        unreachable!("{:?} rows are never laid out in pairs", Self::KIND)
+    }
 }
 
 impl Block16x2 for BlockQ4_1 {
+    #[inline(always)]
+    unsafe fn pair_unit(q: *const u8) -> [__m512i; 4] {
+        // SAFETY: `q` is 64 readable bytes; AVX-512 as above.
+        unsafe {
+            let q = _mm512_loadu_si512(q.cast());
+            let nibble = _mm512_set1_epi16(0x0F);
+            [
+                _mm512_and_si512(q, nibble),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(q), nibble),
+                _mm512_and_si512(_mm512_srli_epi16::<8>(q), nibble),
+                _mm512_srli_epi16::<12>(q),
+            ]
+        }
+    }
+
     #[inline(always)]
     unsafe fn quants_dup(q: *const u8) -> [__m512i; 2] {
         // SAFETY: `q` is 16 readable bytes; the caller guarantees AVX-512 F/BW.
@@ -140,6 +170,15 @@ impl Block16x2 for BlockQ4_1 {
 }
 
 impl Block16x2 for BlockQ8_0 {
+    #[inline(always)]
+    unsafe fn pair_unit(q: *const u8) -> [__m512i; 4] {
+        // SAFETY: `q` is 64 readable bytes; AVX-512 as above.
+        unsafe {
+            let [e, o] = signed_halves(_mm512_loadu_si512(q.cast()));
+            [e, o, _mm512_setzero_si512(), _mm512_setzero_si512()]
+        }
+    }
+
     #[inline(always)]
     unsafe fn quants_dup(q: *const u8) -> [__m512i; 2] {
         // SAFETY: `q` is 32 readable bytes; AVX-512 as above.
@@ -392,7 +431,7 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
     acts: [&[[__m512i; 2]]; TP],
     scales: [&[[__m512; 2]]; TP],
 ) -> [[[f32; 2]; TP]; R] {
-    let (nb, rb) = (w.nb, w.row_bytes());
+    let nb = w.nb;
     let n_chunks = nb.div_ceil(CHUNK);
     let mut acc = [[_mm512_setzero_ps(); TP]; R];
     let mut macc = [[_mm512_setzero_ps(); TP]; R];
@@ -402,7 +441,12 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
         // A split block's second scales, `d2·s`.
         let mut cs2 = [[_mm512_setzero_ps(); TP]; R];
         for r in 0..R {
-            let (d, m) = f2_heads::<B>(&w.bytes[rows[r] * rb + c * B::CHUNK_BYTES..]);
+            let (d, m) = match w.layout {
+                F2Layout::Pairs => pairs::heads(w, rows[r], c),
+                F2Layout::Rows => {
+                    f2_heads::<B>(&w.bytes[rows[r] * w.row_bytes() + c * B::CHUNK_BYTES..])
+                }
+            };
             let d = _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(d));
             let m = _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(m));
             for p in 0..TP {
@@ -671,7 +715,10 @@ fn decode_group(left: usize) -> usize {
 const PANEL_BYTES: usize = 48 * 1024;
 
 /// [`crate::act16::gemm_q4_1_ref`] and its Q8_0 twin on packed rows against
-/// every row of `acts`. One token: [`DECODE_PAIRS`] pairs of rows per tile.
+/// every row of `acts`. Rows in pairs ([`F2Layout::Pairs`]): up to
+/// [`FEW_TOKENS`] tokens by [`pairs::decode`], more by the batched tiles over
+/// panels widened from the pairs. Rows one after the other: one token,
+/// [`DECODE_PAIRS`] pairs of rows per tile.
 /// More: groups of up to `2·TILE_PAIRS` tokens, each walking a panel of rows
 /// [`TILE_ROWS`] at a time. A tile short of rows or tokens repeats the last
 /// one and drops those results.
@@ -682,6 +729,10 @@ fn gem16<B: Block16x2>(w: F2Rows<'_, B>, acts: &Act16, out: &mut [f32]) {
         return;
     }
     let last = n_rows - 1;
+    let pairs = w.layout == F2Layout::Pairs;
+    if pairs && n_tok <= FEW_TOKENS {
+        return pairs::decode(&w, acts, out);
+    }
     if n_tok <= FEW_TOKENS {
         // One token, or batched decode's few: each tile of rows against the
         // tokens in groups, the quants widened once per group (and in L1 from
@@ -714,15 +765,21 @@ fn gem16<B: Block16x2>(w: F2Rows<'_, B>, acts: &Act16, out: &mut [f32]) {
         }
         return;
     }
-    let panel_rows = (PANEL_BYTES / w.row_bytes())
-        .max(1)
-        .next_multiple_of(TILE_ROWS);
+    // Panels of whole pairs in the pair layout.
+    let (row_bytes, align) = match pairs {
+        true => (f2_pair_bytes::<B>(w.nb) / 2, 2 * TILE_ROWS),
+        false => (w.row_bytes(), TILE_ROWS),
+    };
+    let panel_rows = (PANEL_BYTES / row_bytes).max(1).next_multiple_of(align);
     let (nb, n_chunks, n_pairs) = (w.nb, w.nb.div_ceil(CHUNK), n_tok.div_ceil(2));
     PAIR_SCRATCH.with_borrow_mut(|sc| {
         interleave_tokens(acts, sc);
         for p0 in (0..n_rows).step_by(panel_rows) {
             let p1 = (p0 + panel_rows).min(n_rows);
-            widen_panel(&w, p0..p1, &mut sc.quants);
+            match pairs {
+                true => pairs::widen_panel(&w, p0..p1, &mut sc.quants),
+                false => widen_panel(&w, p0..p1, &mut sc.quants),
+            }
             for g0 in (0..n_pairs).step_by(TILE_PAIRS) {
                 // Pairs g0.. of the group, the last one repeated past the end.
                 let pairs: [usize; TILE_PAIRS] = std::array::from_fn(|p| (g0 + p).min(n_pairs - 1));
