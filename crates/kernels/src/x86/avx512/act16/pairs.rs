@@ -7,10 +7,11 @@
 //! an activation block whose every dword is duplicated gives both rows' lane
 //! sums interleaved, and each block's two scales `(d0·s, d1·s)` are one 64-bit
 //! broadcast from memory (the row layout needs a permutation per row pair,
-//! token and block, and four or five operations to widen). The arithmetic is the row layout's: the same exact integer lane
-//! sums, the same products `d·s`, the same `fma`s in block order and the same
-//! reduction, so the same bits. The batched tiles read the layout through
-//! [`widen_panel`] and [`heads`].
+//! token and block, and four or five operations to widen). The arithmetic is
+//! the row layout's: the same exact integer lane sums, the same products
+//! `d·s`, the same `fma`s in block order and the same reduction, so the same
+//! bits. The batched tiles read the layout through [`widen_panel`] and
+//! [`heads`].
 
 use std::arch::x86_64::*;
 
@@ -110,11 +111,14 @@ pub(super) fn widen_panel<B: Block16x2>(
     }
 }
 
-/// Each token's activations with every dword duplicated (per block the even
+/// Each token of one fill of an [`Act16`] (`acts_id`, its
+/// [`Act16::fill_id`]) with every dword duplicated (per block the even
 /// elements, then the odd) and, per chunk, its scales `s` and sums `σ` with
-/// every lane duplicated.
+/// every lane duplicated; kept across calls, as every unit of rows and every
+/// matrix of a call takes the same activations.
 #[derive(Default)]
 struct DupScratch {
+    acts_id: u64,
     acts: Vec<[__m512i; 2]>,
     scales: Vec<[__m512; 2]>,
 }
@@ -127,6 +131,9 @@ thread_local! {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn duplicate(acts: &Act16, sc: &mut DupScratch) {
+    if sc.acts_id == acts.fill_id() {
+        return;
+    }
     let nb = acts.n() / QK_ACT16;
     sc.acts.clear();
     sc.scales.clear();
@@ -153,6 +160,7 @@ fn duplicate(acts: &Act16, sc: &mut DupScratch) {
             ]);
         }
     }
+    sc.acts_id = acts.fill_id();
 }
 
 /// `P` row pairs (`pairs`, pair indices into `w`) against `T` tokens: `T·P`
@@ -249,10 +257,9 @@ fn tile<B: Block16x2, const P: usize, const T: usize>(
 const PAIR_TOKENS: usize = 4;
 
 /// [`crate::act16::gemm_q4_1_ref`] (or its Q8_0 twin) for a few tokens on rows
-/// in pairs: the
-/// tiles' pairs come from [`DECODE_STREAMS`] stretches of the pairs, one of
-/// each, so that the reads are that many sequential streams; the tokens in
-/// groups of up to [`PAIR_TOKENS`].
+/// in pairs: the tiles' pairs come from [`DECODE_STREAMS`] stretches of the
+/// pairs, one of each, so that the reads are that many sequential streams; the
+/// tokens in groups of up to [`PAIR_TOKENS`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) fn decode<B: Block16x2>(w: &F2Rows<'_, B>, acts: &Act16, out: &mut [f32]) {
     let (n_rows, n_tok) = (w.n_rows, acts.rows());
