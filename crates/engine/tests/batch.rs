@@ -196,16 +196,18 @@ fn refused_batches_change_nothing(f: &Family) {
 for_each_family!(batched_equals_alone, refused_batches_change_nothing; attention: forked_sessions_share_rows_and_equal_alone);
 
 /// Timing (not a test): batched decode steps of N sessions holding `ctx`
-/// tokens each against N = 1 decoding alone, SmolLM2, 2 threads:
+/// tokens each against N = 1 decoding alone, SmolLM2 (2 threads unless told):
 /// `cargo test --release -p ds4-engine --test batch -- --ignored --nocapture bench_batched_decode`
-/// (BENCH_CTX=16,1024 BENCH_N=1,4 BENCH_STEPS=32 choose the contexts, session
-/// counts and steps per round; the best of three rounds is reported).
+/// (BENCH_CTX=16,1024 BENCH_N=1,4 BENCH_STEPS=32 BENCH_THREADS=2 choose the
+/// contexts, session counts, steps per round and threads; the best of three
+/// rounds is reported).
 #[test]
 #[ignore]
 fn bench_batched_decode() {
     let f = &families::SMOLLM2;
     let p = families::long_prompt(f);
-    let pool = Arc::new(ThreadPool::new(2));
+    let threads = std::env::var("BENCH_THREADS").map_or(2, |v| v.parse().unwrap());
+    let pool = Arc::new(ThreadPool::new(threads));
     let opts = SessionOptions {
         n_ctx: 4096,
         prefill_chunk: 256,

@@ -1255,9 +1255,10 @@ fn bench_fast() {
             );
         }
     }
-    // One grouped attention tile step (64 positions, head_dim 64), per (query, position).
-    for g in [1, 2, 3] {
-        let (n, hd) = (64, 64);
+    // One grouped attention tile step (64 positions; head_dim 64, and 256 with
+    // four queries as on Gemma 3's global layers), per (query, position).
+    for (g, hd) in [(1, 64), (2, 64), (3, 64), (4, 256)] {
+        let n = 64;
         let q = rng.vec_uniform(g * hd, -1.0, 1.0);
         let kf = rng.vec_uniform(n * hd, -1.0, 1.0);
         let vf = rng.vec_uniform(n * hd, -1.0, 1.0);
@@ -1294,7 +1295,7 @@ fn bench_fast() {
             });
             let pairs = (g * n) as f64;
             println!(
-                "attention tile, {g} queries [{}]: f32 {:.2} ns, f16 {:.2} ns per (query, position)",
+                "attention tile, {g} queries of {hd} [{}]: f32 {:.2} ns, f16 {:.2} ns per (query, position)",
                 k.tier,
                 f32_ns / pairs,
                 f16_ns / pairs

@@ -463,7 +463,11 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
         let (cs, cs2) = (cs.as_ptr().cast::<f64>(), cs2.as_ptr().cast::<f64>());
         for j in 0..len {
             let b = CHUNK * c + j;
-            let x: [[__m512i; 2]; TP] = std::array::from_fn(|p| acts[p][b]);
+            // A loop: a closure would not inline (see `pairs::tile`).
+            let mut x = [[_mm512_setzero_si512(); 2]; TP];
+            for p in 0..TP {
+                x[p] = acts[p][b];
+            }
             for r in 0..R {
                 let [we, wo] = quants[r][b];
                 for p in 0..TP {
@@ -782,13 +786,19 @@ fn gem16<B: Block16x2>(w: F2Rows<'_, B>, acts: &Act16, out: &mut [f32]) {
             }
             for g0 in (0..n_pairs).step_by(TILE_PAIRS) {
                 // Pairs g0.. of the group, the last one repeated past the end.
-                let pairs: [usize; TILE_PAIRS] = std::array::from_fn(|p| (g0 + p).min(n_pairs - 1));
-                let acts = pairs.map(|p| &sc.acts[p * nb..(p + 1) * nb]);
-                let scales = pairs.map(|p| &sc.scales[p * n_chunks..(p + 1) * n_chunks]);
+                let (mut acts, mut scales) = ([&[][..]; TILE_PAIRS], [&[][..]; TILE_PAIRS]);
+                for k in 0..TILE_PAIRS {
+                    let p = (g0 + k).min(n_pairs - 1);
+                    acts[k] = &sc.acts[p * nb..(p + 1) * nb];
+                    scales[k] = &sc.scales[p * n_chunks..(p + 1) * n_chunks];
+                }
                 let (t0, n_t) = (2 * g0, (n_tok - 2 * g0).min(2 * TILE_PAIRS));
                 for r0 in (p0..p1).step_by(TILE_ROWS) {
-                    let rows: [usize; TILE_ROWS] = std::array::from_fn(|r| (r0 + r).min(p1 - 1));
-                    let quants = rows.map(|r| &sc.quants[(r - p0) * nb..(r - p0 + 1) * nb]);
+                    let (mut rows, mut quants) = ([0; TILE_ROWS], [&[][..]; TILE_ROWS]);
+                    for k in 0..TILE_ROWS {
+                        rows[k] = (r0 + k).min(p1 - 1);
+                        quants[k] = &sc.quants[(rows[k] - p0) * nb..(rows[k] - p0 + 1) * nb];
+                    }
                     let v = tile_pairs::<B, TILE_ROWS, TILE_PAIRS>(&w, rows, quants, acts, scales);
                     let n_r = (p1 - r0).min(TILE_ROWS);
                     for (r, v) in v.iter().enumerate().take(n_r) {
@@ -844,7 +854,10 @@ fn quant_act16(x: &[f32], q: &mut [i16], scale: &mut [f32], sum: &mut [f32]) {
         }
         let amax = _mm512_reduce_max_ps(amax);
         let inv = _mm512_set1_ps(if amax > 0.0 { ACT16_MAX / amax } else { 0.0 });
-        let i = v.map(|v| _mm512_cvtps_epi32(_mm512_mul_ps(v, inv)));
+        let i = [
+            _mm512_cvtps_epi32(_mm512_mul_ps(v[0], inv)),
+            _mm512_cvtps_epi32(_mm512_mul_ps(v[1], inv)),
+        ];
         let stored = [
             _mm512_permutex2var_epi32(i[0], evens, i[1]),
             _mm512_permutex2var_epi32(i[0], odds, i[1]),

@@ -181,7 +181,14 @@ fn tile<B: Block16x2, const P: usize, const T: usize>(
 ) -> [[[f32; 2]; P]; T] {
     let (nb, pb) = (w.nb, f2_pair_bytes::<B>(w.nb));
     let n_chunks = nb.div_ceil(CHUNK);
-    let prefetch = pairs.map(|p| Prefetch::new(&w.bytes[p * pb..][..pb], ahead, n_chunks));
+    // Arrays filled by loops, here and below: closures passed to `map` or
+    // `from_fn` do not inline into a function with target features (they
+    // inherit them, `from_fn` does not), and the call per unit of blocks
+    // returned the widened quants through memory.
+    let mut prefetch = [Prefetch::NONE; P];
+    for (f, &p) in prefetch.iter_mut().zip(&pairs) {
+        *f = Prefetch::new(&w.bytes[p * pb..][..pb], ahead, n_chunks);
+    }
     let mut acc = [[_mm512_setzero_ps(); P]; T];
     let mut macc = [[_mm512_setzero_ps(); P]; T];
     let mut at = 0;
@@ -190,7 +197,10 @@ fn tile<B: Block16x2, const P: usize, const T: usize>(
             p.step(c);
         }
         let len = (nb - CHUNK * c).min(CHUNK);
-        let chunk = pairs.map(|p| w.bytes[p * pb + at..][..pair_chunk_bytes::<B>(len)].as_ptr());
+        let mut chunk = [std::ptr::null::<u8>(); P];
+        for (c, &p) in chunk.iter_mut().zip(&pairs) {
+            *c = w.bytes[p * pb + at..][..pair_chunk_bytes::<B>(len)].as_ptr();
+        }
         let mut cs = [[_mm512_setzero_ps(); P]; T];
         for p in 0..P {
             // SAFETY: a chunk starts with its heads; AVX-512 F is enabled here.
@@ -205,11 +215,12 @@ fn tile<B: Block16x2, const P: usize, const T: usize>(
         }
         let cs = cs.as_ptr().cast::<f64>();
         for u in 0..len.div_ceil(B::PAIR_UNIT) {
-            // SAFETY: the chunk holds its units of 64 bytes after its heads;
-            // AVX-512 F/BW are enabled here.
-            let wq: [[__m512i; 4]; P] = std::array::from_fn(|p| unsafe {
-                B::pair_unit(chunk[p].add(32 * B::HEADS + 64 * u))
-            });
+            let mut wq = [[_mm512_setzero_si512(); 4]; P];
+            for p in 0..P {
+                // SAFETY: the chunk holds its units of 64 bytes after its
+                // heads; AVX-512 F/BW are enabled here.
+                wq[p] = unsafe { B::pair_unit(chunk[p].add(32 * B::HEADS + 64 * u)) };
+            }
             for half in 0..B::PAIR_UNIT.min(len - B::PAIR_UNIT * u) {
                 let j = B::PAIR_UNIT * u + half;
                 for t in 0..T {
@@ -309,8 +320,11 @@ impl<B: Block16x2> Run<'_, '_, B> {
         let (nb, n_rows) = (self.w.nb, self.w.n_rows);
         let n_chunks = nb.div_ceil(CHUNK);
         let tok = |t: usize| (self.t0 + t).min(self.n_tok - 1);
-        let acts = std::array::from_fn(|t| &self.sc.acts[tok(t) * nb..][..nb]);
-        let scales = std::array::from_fn(|t| &self.sc.scales[tok(t) * n_chunks..][..n_chunks]);
+        let (mut acts, mut scales) = ([&[][..]; T], [&[][..]; T]);
+        for t in 0..T {
+            acts[t] = &self.sc.acts[tok(t) * nb..][..nb];
+            scales[t] = &self.sc.scales[tok(t) * n_chunks..][..n_chunks];
+        }
         let v = tile::<B, P, T>(self.w, pairs, acts, scales, self.ahead);
         for (t, v) in v.iter().enumerate() {
             for (k, v) in v.iter().enumerate() {
