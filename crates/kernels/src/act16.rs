@@ -257,12 +257,17 @@ pub trait F2Block: bytemuck::Pod + sealed::Sealed {
     /// Bits of a quant in a unit's word of [`F2Layout::Pairs`]; 0 for blocks
     /// never laid out in pairs.
     const PAIR_BITS: usize = 0;
-    /// Blocks a unit of [`F2Layout::Pairs`] holds (64 bytes).
+    /// Blocks a unit of [`F2Layout::Pairs`] holds (in its 64 bytes of words).
     const PAIR_UNIT: usize = if Self::PAIR_BITS == 0 {
         1
     } else {
         16 / (2 * Self::PAIR_BITS)
     };
+    /// Whether a unit of [`F2Layout::Pairs`] follows its words with four
+    /// 32-bit masks of fifth bits (Q5_0).
+    const PAIR_FIFTH: bool = false;
+    /// Bytes of a unit of [`F2Layout::Pairs`].
+    const PAIR_UNIT_BYTES: usize = if Self::PAIR_FIFTH { 80 } else { 64 };
     #[doc(hidden)]
     fn quants(&self) -> [i32; QK_ACT16];
     /// The scale of lane `l` (the same for all lanes but in a split block).
@@ -359,6 +364,8 @@ impl F2Block for BlockQ8_0 {
 impl F2Block for BlockQ5_0 {
     const KIND: F2Kind = F2Kind::Q5_0;
     const HAS_MIN: bool = false;
+    const PAIR_BITS: usize = 4;
+    const PAIR_FIFTH: bool = true;
     const QUANT_BYTES: usize = 20;
     fn quants(&self) -> [i32; QK_ACT16] {
         let qh = u32::from_le_bytes(self.qh);
@@ -560,17 +567,21 @@ pub(crate) const CHUNK: usize = LANES;
 /// (decode measured 1.5x faster). The same bytes as the blocks, plus zero heads
 /// padding a short last chunk.
 ///
-/// [`F2Layout::Pairs`] (Q4_1 and Q8_0, for the tiers that read it): rows two
-/// by two (an odd last row paired with itself); per pair and chunk, the eight
-/// `d`s of both rows interleaved (`d0[0], d1[0], d0[1], ...`), for Q4_1 the same
-/// for the `m`s, then the chunk's blocks in units of 32 little-endian words:
-/// two blocks a unit for Q4_1 (an odd last block paired with a zero block), one
-/// for Q8_0. Word `i` of a unit holds, from its low bits up, `E[i]` and `O[i]`
-/// of its first block, then of its second (Q4_1: four nibbles; Q8_0: two
-/// bytes), where `E[i]` is element `4·(i/4) + 2·(i%2)` of row `(i/2) % 2` and
-/// `O[i]` the element after it. Masked and shifted, a unit is vectors of 16-bit
-/// quants whose dword `2l + r` is lane `l` of row `r`: the pair of its even
-/// elements in `E`, of its odd ones in `O`.
+/// [`F2Layout::Pairs`] (Q4_1, Q5_0 and Q8_0, for the tiers that read it): rows
+/// two by two (an odd last row paired with itself); per pair and chunk, the
+/// eight `d`s of both rows interleaved (`d0[0], d1[0], d0[1], ...`), for Q4_1
+/// the same for the `m`s, then the chunk's blocks in units of 32 little-endian
+/// words: two blocks a unit for Q4_1 and Q5_0 (an odd last block paired with a
+/// zero block), one for Q8_0. Word `i` of a unit holds, from its low bits up,
+/// `E[i]` and `O[i]` of its first block, then of its second (Q4_1: four
+/// nibbles; Q5_0: four nibbles of `q + 16`; Q8_0: two bytes), where `E[i]` is
+/// element `4·(i/4) + 2·(i%2)` of row `(i/2) % 2` and `O[i]` the element after
+/// it. Masked and shifted, a unit is vectors of 16-bit quants whose dword
+/// `2l + r` is lane `l` of row `r`: the pair of its even elements in `E`, of
+/// its odd ones in `O`. A Q5_0 unit's words are followed by four 32-bit masks,
+/// one per field (`E` and `O` of the first block, then of the second), bit `i`
+/// set where word `i`'s quant is below zero (its fifth bit clear): that field's
+/// vector minus 16 under the mask is the quants.
 #[derive(Clone, Debug)]
 pub struct F2Matrix {
     kind: F2Kind,
@@ -595,12 +606,18 @@ pub(crate) fn f2_row_bytes<B: F2Block>(nb: usize) -> usize {
     nb.div_ceil(CHUNK) * B::HEAD_BYTES + nb * B::QUANT_BYTES
 }
 
-/// Blocks [`F2Layout::Pairs`] takes: Q4_1 (nibbles, two blocks a unit) and
-/// Q8_0 (bytes, one block a unit), [`F2Block::PAIR_BITS`] a quant.
+/// Blocks [`F2Layout::Pairs`] takes: Q4_1 and Q5_0 (nibbles, two blocks a
+/// unit) and Q8_0 (bytes, one block a unit), [`F2Block::PAIR_BITS`] a quant.
 pub trait PairBlock: F2Block {
-    /// A quant from its bits in a unit's word.
+    /// A quant's field in a unit's word, and its bit in the unit's masks
+    /// ([`F2Block::PAIR_FIFTH`]; false without them).
     #[doc(hidden)]
-    fn from_bits(bits: u16) -> i32;
+    fn to_bits(q: i32) -> (u16, bool) {
+        (q as u16 & ((1 << Self::PAIR_BITS) - 1), false)
+    }
+    /// A quant from its field in a unit's word and its mask bit.
+    #[doc(hidden)]
+    fn from_bits(bits: u16, masked: bool) -> i32;
     /// The stored quant bytes of a block of quants `q` (the first
     /// [`F2Block::QUANT_BYTES`] of them).
     #[doc(hidden)]
@@ -608,7 +625,7 @@ pub trait PairBlock: F2Block {
 }
 
 impl PairBlock for BlockQ4_1 {
-    fn from_bits(bits: u16) -> i32 {
+    fn from_bits(bits: u16, _masked: bool) -> i32 {
         i32::from(bits)
     }
     fn stored(q: &[i32; QK_ACT16]) -> [u8; QK_ACT16] {
@@ -621,7 +638,7 @@ impl PairBlock for BlockQ4_1 {
 }
 
 impl PairBlock for BlockQ8_0 {
-    fn from_bits(bits: u16) -> i32 {
+    fn from_bits(bits: u16, _masked: bool) -> i32 {
         i32::from(bits as u8 as i8)
     }
     fn stored(q: &[i32; QK_ACT16]) -> [u8; QK_ACT16] {
@@ -629,10 +646,30 @@ impl PairBlock for BlockQ8_0 {
     }
 }
 
+impl PairBlock for BlockQ5_0 {
+    fn to_bits(q: i32) -> (u16, bool) {
+        ((q + 16) as u16 & 0x0F, q < 0)
+    }
+    fn from_bits(bits: u16, masked: bool) -> i32 {
+        i32::from(bits) - if masked { 16 } else { 0 }
+    }
+    fn stored(q: &[i32; QK_ACT16]) -> [u8; QK_ACT16] {
+        // `qh` (bit e: the fifth bit of element e), then the nibbles of
+        // `q + 16` as Q4_1's.
+        let u = q.map(|q| (q + 16) as u32);
+        let qh = (0..QK_ACT16).fold(0u32, |h, e| h | (u[e] >> 4 & 1) << e);
+        std::array::from_fn(|i| match i {
+            0..4 => qh.to_le_bytes()[i],
+            4..20 => (u[i - 4] & 0x0F | (u[i + 12] & 0x0F) << 4) as u8,
+            _ => 0,
+        })
+    }
+}
+
 /// Bytes of a chunk of `len` blocks of a pair of rows in [`F2Layout::Pairs`]:
-/// the heads (sixteen f16s each), then the blocks in units of 64 bytes.
+/// the heads (sixteen f16s each), then the blocks in units.
 pub(crate) const fn pair_chunk_bytes<B: F2Block>(len: usize) -> usize {
-    32 * B::HEADS + len.div_ceil(B::PAIR_UNIT) * 64
+    32 * B::HEADS + len.div_ceil(B::PAIR_UNIT) * B::PAIR_UNIT_BYTES
 }
 
 /// Bytes of one pair of rows of `nb` blocks in [`F2Layout::Pairs`].
@@ -688,7 +725,6 @@ impl F2Matrix {
     pub fn pack_pairs<B: PairBlock>(w: &[B], nb: usize) -> Self {
         let n_rows = check_rows(w.len(), nb);
         let mut bytes = Vec::with_capacity(n_rows.div_ceil(2) * f2_pair_bytes::<B>(nb));
-        let mask = (1u16 << B::PAIR_BITS) - 1;
         for p in 0..n_rows.div_ceil(2) {
             let rows = [2 * p, (2 * p + 1).min(n_rows - 1)].map(|r| &w[r * nb..(r + 1) * nb]);
             for c in 0..nb.div_ceil(CHUNK) {
@@ -705,16 +741,25 @@ impl F2Matrix {
                     let unit: Vec<[Option<[i32; QK_ACT16]>; 2]> = (0..B::PAIR_UNIT)
                         .map(|k| blocks.map(|r| r.get(B::PAIR_UNIT * u + k).map(|b| b.quants())))
                         .collect();
+                    // Field f of word i: E (f even) or O of block f / 2.
+                    let mut masks = [0u32; 4];
                     for i in 0..32 {
                         let (r, e) = pair_word(i);
                         let mut word = 0u16;
                         for (k, q) in unit.iter().enumerate() {
-                            if let Some(q) = q[r] {
-                                let (even, odd) = (q[e] as u16 & mask, q[e + 1] as u16 & mask);
-                                word |= (even | odd << B::PAIR_BITS) << (2 * B::PAIR_BITS * k);
+                            let Some(q) = q[r] else { continue };
+                            for (o, f) in [(0, 2 * k), (1, 2 * k + 1)] {
+                                let (bits, masked) = B::to_bits(q[e + o]);
+                                word |= bits << (B::PAIR_BITS * f);
+                                masks[f] |= u32::from(masked) << i;
                             }
                         }
                         bytes.extend_from_slice(&word.to_le_bytes());
+                    }
+                    if B::PAIR_FIFTH {
+                        masks
+                            .iter()
+                            .for_each(|m| bytes.extend_from_slice(&m.to_le_bytes()));
                     }
                 }
             }
@@ -833,11 +878,16 @@ impl<'a, B: F2Block> F2Rows<'a, B> {
     pub(crate) fn block(&self, r: usize, b: usize) -> B {
         let (c, j) = (b / CHUNK, b % CHUNK);
         if self.layout == F2Layout::Pairs {
-            return match (self.in_pairs::<BlockQ4_1>(), self.in_pairs::<BlockQ8_0>()) {
-                (Some(w), _) => from_pair(w.pair_block(r, c, j)),
-                (_, Some(w)) => from_pair(w.pair_block(r, c, j)),
-                _ => unreachable!("only Q4_1 and Q8_0 rows are packed in pairs"),
-            };
+            if let Some(w) = self.in_pairs::<BlockQ4_1>() {
+                return from_pair(w.pair_block(r, c, j));
+            }
+            if let Some(w) = self.in_pairs::<BlockQ5_0>() {
+                return from_pair(w.pair_block(r, c, j));
+            }
+            if let Some(w) = self.in_pairs::<BlockQ8_0>() {
+                return from_pair(w.pair_block(r, c, j));
+            }
+            unreachable!("only Q4_1, Q5_0 and Q8_0 rows are packed in pairs");
         }
         let chunk = r * self.row_bytes() + c * B::CHUNK_BYTES;
         let head = |k: usize| {
@@ -871,16 +921,21 @@ impl<P: PairBlock> F2Rows<'_, P> {
             }
             false => [0; 4],
         };
-        let unit = chunk + 32 * P::HEADS + 64 * (j / P::PAIR_UNIT);
-        let shift = 2 * P::PAIR_BITS * (j % P::PAIR_UNIT);
+        let unit = chunk + 32 * P::HEADS + P::PAIR_UNIT_BYTES * (j / P::PAIR_UNIT);
+        let field = 2 * (j % P::PAIR_UNIT);
         let mask = (1u16 << P::PAIR_BITS) - 1;
+        let masked = |f: usize, i: usize| {
+            let at = unit + 64 + 4 * f;
+            P::PAIR_FIFTH && self.bytes[at + i / 8] >> (i % 8) & 1 == 1
+        };
         let mut q = [0i32; QK_ACT16];
         for i in (0..32).filter(|&i| pair_word(i).0 == row) {
             let at = unit + 2 * i;
-            let word = u16::from_le_bytes([self.bytes[at], self.bytes[at + 1]]) >> shift;
+            let word = u16::from_le_bytes([self.bytes[at], self.bytes[at + 1]]);
             let e = pair_word(i).1;
-            q[e] = P::from_bits(word & mask);
-            q[e + 1] = P::from_bits(word >> P::PAIR_BITS & mask);
+            for (o, f) in [(0, field), (1, field + 1)] {
+                q[e + o] = P::from_bits(word >> (P::PAIR_BITS * f) & mask, masked(f, i));
+            }
         }
         P::from_parts([head(0), head(1)], &P::stored(&q)[..P::QUANT_BYTES])
     }
@@ -1105,18 +1160,23 @@ mod tests {
             }
             // Word i of the first unit: E and O of each of its blocks, from the
             // low bits up (the documented layout, read directly).
-            let unit = &pairs.bytes[32 * B::HEADS..][..64];
+            let unit = &pairs.bytes[32 * B::HEADS..][..B::PAIR_UNIT_BYTES];
             let q = |r: usize, b: usize| match b < nb {
                 true => w[r.min(n_rows - 1) * nb + b].quants(),
                 false => [0; QK_ACT16],
             };
             let mask = (1u16 << B::PAIR_BITS) - 1;
+            // Bit i of mask f, after the words (false without masks).
+            let masked =
+                |f: usize, i: usize| B::PAIR_FIFTH && unit[64 + 4 * f + i / 8] >> (i % 8) & 1 == 1;
             for i in 0..32 {
                 let (r, e) = pair_word(i);
                 let word = u16::from_le_bytes([unit[2 * i], unit[2 * i + 1]]);
                 for k in 0..B::PAIR_UNIT {
-                    let field =
-                        |f: usize| B::from_bits(word >> (B::PAIR_BITS * (2 * k + f)) & mask);
+                    let field = |f: usize| {
+                        let f = 2 * k + f;
+                        B::from_bits(word >> (B::PAIR_BITS * f) & mask, masked(f, i))
+                    };
                     assert_eq!(
                         (field(0), field(1)),
                         (q(r, k)[e], q(r, k)[e + 1]),
@@ -1135,6 +1195,11 @@ mod tests {
     #[test]
     fn both_layouts_give_back_every_q8_0_block() {
         layouts_give_back_every_block::<BlockQ8_0>(25);
+    }
+
+    #[test]
+    fn both_layouts_give_back_every_q5_0_block() {
+        layouts_give_back_every_block::<BlockQ5_0>(26);
     }
 
     #[test]

@@ -80,10 +80,10 @@ pub(crate) struct Kernels {
     /// (by `gemm_q8_0_act16`, the same results from 1.55 times the bytes):
     /// each tier takes what runs faster on it.
     pub(crate) q5_0_native: bool,
-    /// Whether [`matmul::WeightMatrix::pack_f2`] lays Q4_1 and Q8_0 matrices
-    /// out in pairs of rows ([`act16::F2Layout::Pairs`], which this tier's
-    /// `gemm_q4_1_act16` and `gemm_q8_0_act16` read as well as rows) rather
-    /// than row after row.
+    /// Whether [`matmul::WeightMatrix::pack_f2`] lays Q4_1, Q5_0 and Q8_0
+    /// matrices out in pairs of rows ([`act16::F2Layout::Pairs`], which this
+    /// tier's `gemm_q4_1_act16`, `gemm_q5_0_act16` and `gemm_q8_0_act16` read
+    /// as well as rows) rather than row after row.
     pub(crate) f2_pairs: bool,
     /// [`q4_0::vec_dot_q4_0_q8_0`].
     pub(crate) vec_dot_q4_0_q8_0: fn(&[q4_0::BlockQ4_0], &[BlockQ8_0]) -> f32,

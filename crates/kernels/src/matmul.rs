@@ -63,6 +63,9 @@ impl<'a> WeightMatrix<'a> {
                 F2Matrix::pack_pairs::<BlockQ8_0>(cast_rows(self, data), nb)
             }
             (F2Kind::Q8_0, _) => F2Matrix::pack::<BlockQ8_0>(cast_rows(self, data), nb),
+            (F2Kind::Q5_0, _) if crate::kernels().f2_pairs => {
+                F2Matrix::pack_pairs::<BlockQ5_0>(cast_rows(self, data), nb)
+            }
             (F2Kind::Q5_0, _) => F2Matrix::pack::<BlockQ5_0>(cast_rows(self, data), nb),
             (F2Kind::Q4K, _) => F2Matrix::pack(&SubQ4K::from_q4_k(cast_rows(self, data)), nb),
             (F2Kind::Q6K, _) => F2Matrix::pack(&SubQ6K::from_q6_k(cast_rows(self, data)), nb),

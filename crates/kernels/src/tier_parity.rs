@@ -884,7 +884,7 @@ fn act16_products_are_bit_identical_on_every_tier() {
                 let (p4, p8) = (F2Matrix::pack(&w4, nb), F2Matrix::pack(&w8, nb));
                 let (p4_pairs, p8_pairs) =
                     (F2Matrix::pack_pairs(&w4, nb), F2Matrix::pack_pairs(&w8, nb));
-                let p5 = F2Matrix::pack(&w5, nb);
+                let (p5, p5_pairs) = (F2Matrix::pack(&w5, nb), F2Matrix::pack_pairs(&w5, nb));
                 let (p4k, p6k) = (F2Matrix::pack(&w4k, nb), F2Matrix::pack(&w6k, nb));
                 // All rows, and all but the first or the first two (a unit of
                 // rows mid-matrix; in pairs only from a pair's first row).
@@ -922,6 +922,9 @@ fn act16_products_are_bit_identical_on_every_tier() {
                                 got.fill(f32::NAN);
                                 (k.gemm_q8_0_act16)(p8_pairs.rows(first..n_rows), acts, &mut got);
                                 assert_eq!(bits(&got), bits(&want8), "q8_0 in pairs {case}");
+                                got.fill(f32::NAN);
+                                (k.gemm_q5_0_act16)(p5_pairs.rows(first..n_rows), acts, &mut got);
+                                assert_eq!(bits(&got), bits(&want5), "q5_0 in pairs {case}");
                             }
                             (k.gemm_q5_0_act16)(p5.rows(first..n_rows), acts, &mut got);
                             assert_eq!(bits(&got), bits(&want5), "q5_0 {case}");

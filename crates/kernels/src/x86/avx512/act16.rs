@@ -111,7 +111,8 @@ pub(super) trait Block16x2: F2Block {
     /// words (dword `2l + r`: lane `l` of row `r`), zeros after the last.
     ///
     /// # Safety
-    /// `q` points at 64 readable bytes; the CPU has AVX-512 F/BW.
+    /// `q` points at [`F2Block::PAIR_UNIT_BYTES`] readable bytes; the CPU has
+    /// AVX-512 F/BW.
     unsafe fn pair_unit(_q: *const u8) -> [__m512i; 4] {
         unreachable!("{:?} rows are never laid out in pairs", Self::KIND)
     }
@@ -198,6 +199,22 @@ impl Block16x2 for BlockQ8_0 {
 }
 
 impl Block16x2 for BlockQ5_0 {
+    #[inline(always)]
+    unsafe fn pair_unit(q: *const u8) -> [__m512i; 4] {
+        // SAFETY: `q` is 80 readable bytes (the words, then four masks);
+        // AVX-512 as above.
+        unsafe {
+            let fields = BlockQ4_1::pair_unit(q);
+            let sixteen = _mm512_set1_epi16(16);
+            let mut out = fields;
+            for (f, v) in out.iter_mut().enumerate() {
+                let mask = q.add(64 + 4 * f).cast::<u32>().read_unaligned();
+                *v = _mm512_mask_sub_epi16(*v, mask, *v, sixteen);
+            }
+            out
+        }
+    }
+
     #[inline(always)]
     unsafe fn quants_dup(q: *const u8) -> [__m512i; 2] {
         // SAFETY: `q` is 20 readable bytes (`qh`, then `qs`); AVX-512 as above.

@@ -1,8 +1,9 @@
-//! Order F2 over Q4_1 and Q8_0 rows laid out in pairs
+//! Order F2 over Q4_1, Q5_0 and Q8_0 rows laid out in pairs
 //! ([`crate::act16::F2Layout::Pairs`]).
 //!
 //! The decode tile widens a row pair's unit from one 64-byte load (Q4_1: two
-//! blocks by three masks and three shifts; Q8_0: one block by three shifts),
+//! blocks by three masks and three shifts; Q5_0: the same, then 16 subtracted
+//! under each field's mask of fifth bits; Q8_0: one block by three shifts),
 //! the words' dword `2l + r` being lane `l` of row `r`, so `vpmaddwd` against
 //! an activation block whose every dword is duplicated gives both rows' lane
 //! sums interleaved, and each block's two scales `(d0·s, d1·s)` are one 64-bit
@@ -92,7 +93,7 @@ pub(super) fn widen_panel<B: Block16x2>(
             for u in 0..len.div_ceil(B::PAIR_UNIT) {
                 // SAFETY: unit u is 64 readable bytes of `q`; AVX-512 F/BW are
                 // enabled here.
-                let unit = unsafe { B::pair_unit(q.as_ptr().add(64 * u)) };
+                let unit = unsafe { B::pair_unit(q.as_ptr().add(B::PAIR_UNIT_BYTES * u)) };
                 for k in 0..B::PAIR_UNIT.min(len - B::PAIR_UNIT * u) {
                     let b = CHUNK * c + B::PAIR_UNIT * u + k;
                     for (h, idx) in dup.iter().enumerate() {
@@ -219,7 +220,8 @@ fn tile<B: Block16x2, const P: usize, const T: usize>(
             for p in 0..P {
                 // SAFETY: the chunk holds its units of 64 bytes after its
                 // heads; AVX-512 F/BW are enabled here.
-                wq[p] = unsafe { B::pair_unit(chunk[p].add(32 * B::HEADS + 64 * u)) };
+                wq[p] =
+                    unsafe { B::pair_unit(chunk[p].add(32 * B::HEADS + B::PAIR_UNIT_BYTES * u)) };
             }
             for half in 0..B::PAIR_UNIT.min(len - B::PAIR_UNIT * u) {
                 let j = B::PAIR_UNIT * u + half;
@@ -423,6 +425,32 @@ mod tests {
                     "{n_in}x{n_out} {}, {n_tok} tokens: rows {:.1} us ({:.1} GB/s), \
                      pairs {:.1} us ({:.1} GB/s)",
                     if q8 { "q8_0" } else { "q4_1" },
+                    old / 1e3,
+                    gb / old,
+                    new / 1e3,
+                    gb / new
+                );
+            }
+        }
+        // Q5_0 of Gemma 3's shapes (its q, k, gate and up matrices).
+        for (n_in, n_out) in [(640, 1024), (640, 2048), (640, 4 * 32768)] {
+            let nb = n_in / 32;
+            let w: Vec<crate::q5_0::BlockQ5_0> =
+                bytemuck::cast_slice(&(0..n_out * nb * 22).map(|_| rng.byte()).collect::<Vec<_>>())
+                    .to_vec();
+            let (rows, pairs) = (F2Matrix::pack(&w, nb), F2Matrix::pack_pairs(&w, nb));
+            for n_tok in [1, 2, 4, 8] {
+                let mut a = Act16::default();
+                a.quantize(&rng.vec_uniform(n_tok * n_in, -1.0, 1.0), n_in);
+                let mut out = vec![0.0; n_out * n_tok];
+                let mut time = |m: &F2Matrix| {
+                    best_ns(|| (k.gemm_q5_0_act16)(black_box(m.rows(0..n_out)), &a, &mut out))
+                };
+                let (old, new) = (time(&rows), time(&pairs));
+                let gb = (n_out * nb * 22) as f64;
+                println!(
+                    "{n_in}x{n_out} q5_0, {n_tok} tokens: rows {:.1} us ({:.1} GB/s), \
+                     pairs {:.1} us ({:.1} GB/s)",
                     old / 1e3,
                     gb / old,
                     new / 1e3,
