@@ -204,9 +204,8 @@ impl Block16x2 for BlockQ5_0 {
         // SAFETY: `q` is 80 readable bytes (the words, then four masks);
         // AVX-512 as above.
         unsafe {
-            let fields = BlockQ4_1::pair_unit(q);
+            let mut out = BlockQ4_1::pair_unit(q);
             let sixteen = _mm512_set1_epi16(16);
-            let mut out = fields;
             for (f, v) in out.iter_mut().enumerate() {
                 let mask = q.add(64 + 4 * f).cast::<u32>().read_unaligned();
                 *v = _mm512_mask_sub_epi16(*v, mask, *v, sixteen);
@@ -504,18 +503,31 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
             }
         }
     }
-    let mut halves = [[_mm512_setzero_ps(); TP]; R];
-    for r in 0..R {
-        for p in 0..TP {
-            let v = if B::HAS_MIN {
-                _mm512_add_ps(acc[r][p], macc[r][p])
-            } else {
-                acc[r][p]
+    interleaved_sums(acc, B::HAS_MIN.then_some(macc))
+}
+
+/// The two tiles' results whose registers hold two interleaved accumulators
+/// ([`tile_pairs`]: two tokens; [`pairs::tile`]: two rows): each register
+/// (plus its `m·σ` register where the block has a minimum) back in halves,
+/// then both halves' lane sums.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)] // x and y index several arrays at once
+fn interleaved_sums<const X: usize, const Y: usize>(
+    acc: [[__m512; Y]; X],
+    macc: Option<[[__m512; Y]; X]>,
+) -> [[[f32; 2]; Y]; X] {
+    let mut halves = [[_mm512_setzero_ps(); Y]; X];
+    for x in 0..X {
+        for y in 0..Y {
+            let v = match macc {
+                Some(m) => _mm512_add_ps(acc[x][y], m[x][y]),
+                None => acc[x][y],
             };
-            halves[r][p] = _mm512_permutexvar_ps(DEINTERLEAVE, v);
+            halves[x][y] = _mm512_permutexvar_ps(DEINTERLEAVE, v);
         }
     }
-    let mut out = [[[0.0f32; 2]; TP]; R];
+    let mut out = [[[0.0f32; 2]; Y]; X];
     // Times 1: exact.
     reduce_pairs(
         halves.as_flattened(),

@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 
 use super::super::super::avx2::Prefetch;
 use super::{
-    dpwssd, load8, reduce_pairs, stream_stretch, Block16x2, DECODE_STREAMS, DEINTERLEAVE, DUP_LOW8,
+    dpwssd, load8, stream_stretch, Block16x2, DECODE_STREAMS, DEINTERLEAVE, DUP_LOW8,
     PREFETCH_BYTES,
 };
 use crate::act16::{f2_pair_bytes, pair_chunk_bytes, Act16, F2Rows, CHUNK, QK_ACT16};
@@ -244,24 +244,7 @@ fn tile<B: Block16x2, const P: usize, const T: usize>(
         }
         at += pair_chunk_bytes::<B>(len);
     }
-    let mut halves = [[_mm512_setzero_ps(); P]; T];
-    for t in 0..T {
-        for p in 0..P {
-            let v = match B::HAS_MIN {
-                true => _mm512_add_ps(acc[t][p], macc[t][p]),
-                false => acc[t][p],
-            };
-            halves[t][p] = _mm512_permutexvar_ps(DEINTERLEAVE, v);
-        }
-    }
-    let mut out = [[[0.0f32; 2]; P]; T];
-    // Times 1: exact.
-    reduce_pairs(
-        halves.as_flattened(),
-        1.0,
-        out.as_flattened_mut().as_flattened_mut(),
-    );
-    out
+    super::interleaved_sums(acc, B::HAS_MIN.then_some(macc))
 }
 
 /// Tokens of a decode tile in pairs: one token takes a pair from each of the
