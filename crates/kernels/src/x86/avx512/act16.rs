@@ -449,30 +449,32 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
 ) -> [[[f32; 2]; TP]; R] {
     let nb = w.nb;
     let n_chunks = nb.div_ceil(CHUNK);
+    // Row r's d and second heads of chunk c, each duplicated lane by lane.
+    let heads = |r: usize, c: usize| {
+        let (d, m) = match w.layout {
+            F2Layout::Pairs => pairs::heads(w, rows[r], c),
+            F2Layout::Rows => {
+                f2_heads::<B>(&w.bytes[rows[r] * w.row_bytes() + c * B::CHUNK_BYTES..])
+            }
+        };
+        (
+            _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(d)),
+            _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(m)),
+        )
+    };
     let mut acc = [[_mm512_setzero_ps(); TP]; R];
-    let mut macc = [[_mm512_setzero_ps(); TP]; R];
     for c in 0..n_chunks {
         let len = (nb - CHUNK * c).min(CHUNK);
         let mut cs = [[_mm512_setzero_ps(); TP]; R];
         // A split block's second scales, `d2·s`.
         let mut cs2 = [[_mm512_setzero_ps(); TP]; R];
         for r in 0..R {
-            let (d, m) = match w.layout {
-                F2Layout::Pairs => pairs::heads(w, rows[r], c),
-                F2Layout::Rows => {
-                    f2_heads::<B>(&w.bytes[rows[r] * w.row_bytes() + c * B::CHUNK_BYTES..])
-                }
-            };
-            let d = _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(d));
-            let m = _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(m));
+            let (d, m) = heads(r, c);
             for p in 0..TP {
-                let [s, sigma] = scales[p][c];
+                let s = scales[p][c][0];
                 cs[r][p] = _mm512_mul_ps(d, s);
                 if B::SPLIT {
                     cs2[r][p] = _mm512_mul_ps(m, s);
-                }
-                if B::HAS_MIN {
-                    macc[r][p] = _mm512_fmadd_ps(m, sigma, macc[r][p]);
                 }
             }
         }
@@ -499,6 +501,19 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
                         cb = _mm512_mask_blend_ps(0xFF00, cb, c2);
                     }
                     acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), cb, acc[r][p]);
+                }
+            }
+        }
+    }
+    // The m·σ terms in a pass of their own, as in `pairs::tile`: R·TP fewer
+    // registers live through the hot loop above, same bits.
+    let mut macc = [[_mm512_setzero_ps(); TP]; R];
+    if B::HAS_MIN {
+        for c in 0..n_chunks {
+            for r in 0..R {
+                let (_, m) = heads(r, c);
+                for p in 0..TP {
+                    macc[r][p] = _mm512_fmadd_ps(m, scales[p][c][1], macc[r][p]);
                 }
             }
         }

@@ -191,7 +191,6 @@ fn tile<B: Block16x2, const P: usize, const T: usize>(
         *f = Prefetch::new(&w.bytes[p * pb..][..pb], ahead, n_chunks);
     }
     let mut acc = [[_mm512_setzero_ps(); P]; T];
-    let mut macc = [[_mm512_setzero_ps(); P]; T];
     let mut at = 0;
     for c in 0..n_chunks {
         for p in &prefetch {
@@ -205,13 +204,9 @@ fn tile<B: Block16x2, const P: usize, const T: usize>(
         let mut cs = [[_mm512_setzero_ps(); P]; T];
         for p in 0..P {
             // SAFETY: a chunk starts with its heads; AVX-512 F is enabled here.
-            let (d, m) = unsafe { pair_heads::<B>(chunk[p]) };
+            let (d, _) = unsafe { pair_heads::<B>(chunk[p]) };
             for t in 0..T {
-                let [s, sigma] = scales[t][c];
-                cs[t][p] = _mm512_mul_ps(d, s);
-                if B::HAS_MIN {
-                    macc[t][p] = _mm512_fmadd_ps(m, sigma, macc[t][p]);
-                }
+                cs[t][p] = _mm512_mul_ps(d, scales[t][c][0]);
             }
         }
         let cs = cs.as_ptr().cast::<f64>();
@@ -243,6 +238,23 @@ fn tile<B: Block16x2, const P: usize, const T: usize>(
             }
         }
         at += pair_chunk_bytes::<B>(len);
+    }
+    // The m·σ terms in a pass of their own, each register's in chunk order as
+    // before (same bits): beside the quants' they held T·P more registers
+    // live through the hot loop above.
+    let mut macc = [[_mm512_setzero_ps(); P]; T];
+    if B::HAS_MIN {
+        let mut at = 0;
+        for c in 0..n_chunks {
+            for p in 0..P {
+                // SAFETY: as above.
+                let (_, m) = unsafe { pair_heads::<B>(w.bytes[pairs[p] * pb + at..].as_ptr()) };
+                for t in 0..T {
+                    macc[t][p] = _mm512_fmadd_ps(m, scales[t][c][1], macc[t][p]);
+                }
+            }
+            at += pair_chunk_bytes::<B>((nb - CHUNK * c).min(CHUNK));
+        }
     }
     super::interleaved_sums(acc, B::HAS_MIN.then_some(macc))
 }
