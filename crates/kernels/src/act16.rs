@@ -36,6 +36,7 @@
 
 use crate::f16::fp16_to_fp32;
 use crate::f32::reduce_lanes;
+use crate::huge::HugeBuf;
 use crate::q4_1::BlockQ4_1;
 use crate::q5_0::BlockQ5_0;
 use crate::q8_0::BlockQ8_0;
@@ -588,7 +589,8 @@ pub struct F2Matrix {
     layout: F2Layout,
     nb: usize,
     n_rows: usize,
-    bytes: Vec<u8>,
+    /// Huge pages where large: decode streams it whole every token.
+    bytes: HugeBuf<u8>,
 }
 
 /// How an [`F2Matrix`] lays its rows out.
@@ -714,7 +716,7 @@ impl F2Matrix {
             layout: F2Layout::Rows,
             nb,
             n_rows,
-            bytes,
+            bytes: HugeBuf::from_slice(&bytes),
         }
     }
 
@@ -769,7 +771,7 @@ impl F2Matrix {
             layout: F2Layout::Pairs,
             nb,
             n_rows,
-            bytes,
+            bytes: HugeBuf::from_slice(&bytes),
         }
     }
 

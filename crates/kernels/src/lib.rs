@@ -37,6 +37,7 @@ pub mod bf16;
 pub mod f16;
 pub mod f32;
 pub mod fast;
+pub mod huge;
 pub mod iq2_xxs;
 pub mod matmul;
 pub mod pool;

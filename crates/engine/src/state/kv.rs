@@ -30,6 +30,7 @@ use std::io::{Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ds4_kernels::attn::AsF32Rows;
+use ds4_kernels::huge::HugeBuf;
 
 use super::{Codec, CodecMut, SeqState, StatePart};
 use crate::error::{EngineError, Result};
@@ -65,16 +66,17 @@ impl KvLayer {
     }
 }
 
-/// K and V of every layer, back to back, in one element type.
+/// K and V of every layer, back to back, in one element type; on huge pages
+/// where large ([`HugeBuf`]): attention over a long context streams them.
 pub(crate) enum KvBuf {
     F32 {
-        k: Vec<f32>,
-        v: Vec<f32>,
+        k: HugeBuf<f32>,
+        v: HugeBuf<f32>,
     },
     /// f16 bits.
     F16 {
-        k: Vec<u16>,
-        v: Vec<u16>,
+        k: HugeBuf<u16>,
+        v: HugeBuf<u16>,
     },
 }
 
@@ -162,12 +164,12 @@ impl KvState {
         // Zeroed pages cost nothing until a row is written.
         let buf = match kv_type {
             KvType::F32 => KvBuf::F32 {
-                k: vec![0.0; offset],
-                v: vec![0.0; offset],
+                k: HugeBuf::zeroed(offset),
+                v: HugeBuf::zeroed(offset),
             },
             KvType::F16 => KvBuf::F16 {
-                k: vec![0; offset],
-                v: vec![0; offset],
+                k: HugeBuf::zeroed(offset),
+                v: HugeBuf::zeroed(offset),
             },
         };
         KvState {

@@ -383,12 +383,13 @@ mod tests {
         };
         let mut rng = XorShift::new(9);
         // In cache, and matrices far past the last-level cache (as in decode):
-        // Q4_1 rows of SmolLM2's shapes, and its Q8_0 output head.
+        // Q4_1 rows of SmolLM2's shapes, its Q8_0 output head and Gemma 3's.
         for (n_in, n_out, q8) in [
             (576, 1536, false),
             (1536, 576, false),
             (576, 4 * 49152, false),
             (576, 49152, true),
+            (640, 262144, true),
         ] {
             let nb = n_in / 32;
             let w = q4_1_rows(&mut rng, n_out, nb);
