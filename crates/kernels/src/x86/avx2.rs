@@ -2176,11 +2176,12 @@ unsafe fn group_scores<T: KvVector<__m256>, const G: usize, const P: usize, cons
     let (qp, kp) = (q.as_ptr(), k.as_ptr());
     let mut p = 0;
     while p + P <= n {
-        if STREAM {
-            prefetch_rows_ahead(kp, hd, p, P);
-        }
         let mut a = [[_mm256_setzero_ps(); P]; G];
         for c in (0..hd).step_by(8) {
+            if STREAM {
+                // Rows p + AHEAD .. + P, eight elements of each per step.
+                prefetch_ahead(kp, hd, p, c * P, 8 * P);
+            }
             // SAFETY: g < G and c + 8 <= hd: inside `q` (G·hd elements).
             let qv: [__m256; G] =
                 std::array::from_fn(|g| unsafe { _mm256_loadu_ps(qp.add(g * hd + c)) });
@@ -2222,25 +2223,30 @@ unsafe fn group_scores<T: KvVector<__m256>, const G: usize, const P: usize, cons
 /// while this tile is computed.
 const ATTN_PREFETCH_AHEAD: usize = 64;
 
-/// Requests rows `p + AHEAD .. p + AHEAD + count` of rows of `hd` elements at
-/// `base` into L2. A hint only: the rows may lie past the tile (that is the
-/// point) or past the cache's end; `_mm_prefetch` never faults and
-/// `wrapping_add` forms the addresses without claiming they are in bounds.
+/// Requests elements `from .. from + n` of row `p + AHEAD` onwards (rows of
+/// `hd` elements at `base`; `from` may run past the row into the next ones)
+/// into L2. A hint only: the rows may lie past the tile (that is the point) or
+/// past the cache's end; `_mm_prefetch` never faults and `wrapping_add` forms
+/// the addresses without claiming they are in bounds.
 ///
-/// L2, not L1: a tile ahead is 16 KiB of K and V rows (SmolLM2's heads, f16)
-/// to 64 KiB (Gemma 3's), as much as L1 holds, and the rows being read came
-/// back from L2 anyway. Zen 4, one token over K/V streaming from memory
-/// (`bench_attention`), into L1 -> L2: SmolLM2's heads at 131071 positions
-/// 6.7-6.9 -> 4.8-4.9 ns per (query, position) on 1 thread, 3.4-3.5 -> 2.6 on
-/// 2; Gemma 3's global layer at 65535 33-34 -> 24-27 and 15.5-17.5 -> 12.7-13.4;
-/// nothing slower in cache (6143 positions).
+/// Callers spread a tile's requests over the loop that reads the tile, a line
+/// or two per step, instead of asking for whole rows at once: a burst of
+/// requests larger than the core's miss buffers (about two dozen lines) stalls
+/// the loop until memory answers, so the rows' arrival and the arithmetic took
+/// turns rather than overlapping. Zen 4, 2 threads, Gemma 3's global layer (4
+/// queries of 256) at 65535 positions streaming from memory
+/// (`bench_attention`, best of 400): 3.82-3.89 ms a layer with K's eight rows
+/// requested before each group of eight and V's row before each position,
+/// 2.21-2.47 ms spread (30 GB/s, what this VM's two cores read with plain
+/// loads). L2, not L1: a tile ahead is 16-64 KiB of K and V rows, as much as
+/// L1 holds (measured: into L1 was slower on both heads' shapes).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn prefetch_rows_ahead<T>(base: *const T, hd: usize, p: usize, count: usize) {
+pub(super) fn prefetch_ahead<T>(base: *const T, hd: usize, p: usize, from: usize, n: usize) {
     let start = base
-        .wrapping_add((p + ATTN_PREFETCH_AHEAD) * hd)
+        .wrapping_add((p + ATTN_PREFETCH_AHEAD) * hd + from)
         .cast::<i8>();
-    for off in (0..count * hd * size_of::<T>()).step_by(64) {
+    for off in (0..n * size_of::<T>()).step_by(64) {
         _mm_prefetch::<_MM_HINT_T1>(start.wrapping_add(off));
     }
 }
@@ -2481,9 +2487,10 @@ pub(super) unsafe fn accumulate_v<
         })
     });
     for p in 0..n {
-        if STREAM && d0 == 0 {
+        if STREAM {
+            // This strip's columns of row p + AHEAD: over the strips, the row.
             // SAFETY: as above.
-            unsafe { prefetch_rows_ahead(vp, hd, p, 1) };
+            unsafe { prefetch_ahead(vp, hd, p, d0, l * R) };
         }
         // SAFETY: as above.
         let wb: [V; G] = std::array::from_fn(|g| unsafe { V::splat(w[g * n + p]) });

@@ -13,7 +13,7 @@
 use std::arch::x86_64::*;
 
 use super::super::avx2::{
-    accumulate_v, exp8, exp_lanes, prefetch_rows_ahead, AttnChunk, F32Lanes, KvVector,
+    accumulate_v, exp8, exp_lanes, prefetch_ahead, AttnChunk, F32Lanes, KvVector,
 };
 use super::reduce_pairs;
 use crate::attn::{exp_ref, Running};
@@ -253,15 +253,17 @@ unsafe fn group_scores<T: KvLanes16, const G: usize, const PP: usize, const STRE
     let mut p = 0;
     while p < n {
         let np = (n - p).min(2 * PP);
-        if STREAM {
-            prefetch_rows_ahead(kp, hd, p, np);
-        }
+
         // Position pairs (p + 2j, p + 2j + 1), clamped to the tile.
         let rows: [[usize; 2]; PP] =
             std::array::from_fn(|j| [(p + 2 * j).min(n - 1), (p + 2 * j + 1).min(n - 1)]);
         let pairs = np.div_ceil(2);
         let mut a = [[_mm512_setzero_ps(); PP]; G];
         for c in (0..hd).step_by(8) {
+            if STREAM {
+                // Rows p + AHEAD .. + np, eight elements of each per step.
+                prefetch_ahead(kp, hd, p, c * np, 8 * np);
+            }
             // SAFETY: g < G and c + 8 <= hd: inside `q` (G·hd elements).
             let qv: [__m512; G] = std::array::from_fn(|g| unsafe {
                 let h = _mm256_loadu_ps(qp.add(g * hd + c));
