@@ -169,11 +169,12 @@ fn duplicate(acts: &Act16, sc: &mut DupScratch) {
 /// `m`s are one load each and its products `d·s` sixteen wide (stored, then
 /// broadcast per block); per unit of blocks each pair's quants are widened
 /// once for the `T` tokens. Each pair's successor `ahead` pairs on (the same
-/// stream of [`decode`]'s walk) is prefetched over the chunks.
+/// stream of [`decode`]'s walk) is prefetched in bursts over the units, a
+/// chunk's share each or at most [`PREFETCH_BURST_LINES`] lines.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)] // p and t index several arrays at once
-fn tile<B: Block16x2, const P: usize, const T: usize>(
+fn tile<B: Block16x2, const P: usize, const T: usize, const BY_UNIT: bool>(
     w: &F2Rows<'_, B>,
     pairs: [usize; P],
     acts: [&[[__m512i; 2]]; T],
@@ -182,19 +183,32 @@ fn tile<B: Block16x2, const P: usize, const T: usize>(
 ) -> [[[f32; 2]; P]; T] {
     let (nb, pb) = (w.nb, f2_pair_bytes::<B>(w.nb));
     let n_chunks = nb.div_ceil(CHUNK);
+    // The successors are requested a chunk's share at a time or, with
+    // `BY_UNIT` (where that is more than PREFETCH_BURST_LINES lines at once),
+    // in `steps` bursts spread over the units of blocks.
+    let n_units = nb.div_ceil(B::PAIR_UNIT);
+    let steps = match BY_UNIT {
+        true => (P * pb.div_ceil(64))
+            .div_ceil(PREFETCH_BURST_LINES)
+            .clamp(n_chunks, n_units),
+        false => n_chunks,
+    };
     // Arrays filled by loops, here and below: closures passed to `map` or
     // `from_fn` do not inline into a function with target features (they
     // inherit them, `from_fn` does not), and the call per unit of blocks
     // returned the widened quants through memory.
     let mut prefetch = [Prefetch::NONE; P];
     for (f, &p) in prefetch.iter_mut().zip(&pairs) {
-        *f = Prefetch::new(&w.bytes[p * pb..][..pb], ahead, n_chunks);
+        *f = Prefetch::new(&w.bytes[p * pb..][..pb], ahead, steps);
     }
     let mut acc = [[_mm512_setzero_ps(); P]; T];
     let mut at = 0;
+    let (mut unit, mut next_step) = (0, 0);
     for c in 0..n_chunks {
-        for p in &prefetch {
-            p.step(c);
+        if !BY_UNIT {
+            for p in &prefetch {
+                p.step(c);
+            }
         }
         let len = (nb - CHUNK * c).min(CHUNK);
         let mut chunk = [std::ptr::null::<u8>(); P];
@@ -211,6 +225,15 @@ fn tile<B: Block16x2, const P: usize, const T: usize>(
         }
         let cs = cs.as_ptr().cast::<f64>();
         for u in 0..len.div_ceil(B::PAIR_UNIT) {
+            // Step s at the first unit u with u·steps >= s·n_units: each
+            // once, as steps <= n_units.
+            if BY_UNIT && unit * steps >= next_step * n_units {
+                for p in &prefetch {
+                    p.step(next_step);
+                }
+                next_step += 1;
+            }
+            unit += 1;
             let mut wq = [[_mm512_setzero_si512(); 4]; P];
             for p in 0..P {
                 // SAFETY: the chunk holds its units of 64 bytes after its
@@ -258,6 +281,14 @@ fn tile<B: Block16x2, const P: usize, const T: usize>(
     }
     super::interleaved_sums(acc, B::HAS_MIN.then_some(macc))
 }
+
+/// Most lines a decode tile requests at once: about the miss buffers of a
+/// core (Zen 4: 24). A burst past them stalls the tile until memory answers.
+/// Gemma 3's Q8_0 head (640x262144, one token: 4 pairs of 22 lines, 3
+/// chunks), 30 alternating timings in one process on Zen 4: a chunk's 32
+/// lines at once min/median 7.21/8.01 ms, 22-24 at once 6.73/7.14 (and the
+/// row layout 8.09/8.23). Fewer at once (12-16) measured slower again.
+const PREFETCH_BURST_LINES: usize = 24;
 
 /// Tokens of a decode tile in pairs: one token takes a pair from each of the
 /// [`DECODE_STREAMS`] stretches, more take two pairs at a time (their
@@ -322,7 +353,12 @@ impl<B: Block16x2> Run<'_, '_, B> {
             acts[t] = &self.sc.acts[tok(t) * nb..][..nb];
             scales[t] = &self.sc.scales[tok(t) * n_chunks..][..n_chunks];
         }
-        let v = tile::<B, P, T>(self.w, pairs, acts, scales, self.ahead);
+        let pair_lines = f2_pair_bytes::<B>(nb).div_ceil(64);
+        // One token only: more take two pairs at a time, under the limit.
+        let v = match T == 1 && P * pair_lines > PREFETCH_BURST_LINES * n_chunks {
+            true => tile::<B, P, T, true>(self.w, pairs, acts, scales, self.ahead),
+            false => tile::<B, P, T, false>(self.w, pairs, acts, scales, self.ahead),
+        };
         for (t, v) in v.iter().enumerate() {
             for (k, v) in v.iter().enumerate() {
                 for (h, v) in v.iter().enumerate() {
