@@ -716,7 +716,7 @@ impl F2Matrix {
             layout: F2Layout::Rows,
             nb,
             n_rows,
-            bytes: HugeBuf::from_slice(&bytes),
+            bytes: HugeBuf::from_vec(bytes),
         }
     }
 
@@ -771,7 +771,7 @@ impl F2Matrix {
             layout: F2Layout::Pairs,
             nb,
             n_rows,
-            bytes: HugeBuf::from_slice(&bytes),
+            bytes: HugeBuf::from_vec(bytes),
         }
     }
 

@@ -65,6 +65,16 @@ impl<T: Pod> HugeBuf<T> {
         buf.copy_from_slice(src);
         buf
     }
+
+    /// `v`'s values: the `Vec` itself where small, else a mapped copy.
+    pub fn from_vec(v: Vec<T>) -> Self {
+        if size_of_val(&v[..]) < MAPPED_BYTES {
+            return HugeBuf {
+                storage: Storage::Heap(v),
+            };
+        }
+        Self::from_slice(&v)
+    }
 }
 
 impl<T: Pod> Deref for HugeBuf<T> {
@@ -128,6 +138,9 @@ mod tests {
             assert!(c.iter().enumerate().all(|(i, &x)| x == i as u32 ^ 0x5a5a));
             let d = HugeBuf::from_slice(&c[..len / 2]);
             assert_eq!(&d[..], &c[..len / 2]);
+            let e = HugeBuf::from_vec(c.to_vec());
+            assert_eq!(&e[..], &c[..]);
+            assert_eq!(format!("{e:?}"), format!("{b:?}"));
             let mapped = format!("{b:?}").contains("mapped: true");
             assert_eq!(mapped, len * 4 >= MAPPED_BYTES, "{len}: {b:?}");
         }

@@ -253,7 +253,6 @@ unsafe fn group_scores<T: KvLanes16, const G: usize, const PP: usize, const STRE
     let mut p = 0;
     while p < n {
         let np = (n - p).min(2 * PP);
-
         // Position pairs (p + 2j, p + 2j + 1), clamped to the tile.
         let rows: [[usize; 2]; PP] =
             std::array::from_fn(|j| [(p + 2 * j).min(n - 1), (p + 2 * j + 1).min(n - 1)]);
