@@ -4,7 +4,8 @@
 //! a restart and continue as the uninterrupted session, a prompt that diverges
 //! further back than the window is answered as a cold run, and checkpoints never
 //! cross families. On the third (the tiny DeepSeek V4 model) the compressed
-//! state's checkpoints come back across a restart the same way.
+//! state's checkpoints come back across a restart the same way. On the first two,
+//! llama.cpp's `/tokenize` and `/detokenize` answer as its tokenizer vectors.
 
 mod common;
 
@@ -176,4 +177,120 @@ fn deepseek4_compressed_checkpoints_restore_across_a_restart() {
     assert_eq!(after, want, "restart changed the output");
     drop(fresh);
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// The bytes a vector's piece stands for: a string, or a list of byte values.
+fn piece_bytes(p: &Value) -> Vec<u8> {
+    match p {
+        Value::String(s) => s.as_bytes().to_vec(),
+        Value::Array(b) => b.iter().map(|v| v.as_u64().unwrap() as u8).collect(),
+        other => panic!("piece {other}"),
+    }
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// llama.cpp's `/tokenize` and `/detokenize` on every family with a tokenizer
+/// vector: for each of its strings and its four encodings, the ids llama.cpp
+/// gave, each piece (string or bytes) as its server printed it, and the ids
+/// decoded back to the concatenated pieces; then the refusals.
+#[test]
+fn tokenize_routes_answer_as_llama_cpp_on_every_family() {
+    for (file, vectors) in [
+        (ds4_testdata::SMOLLM2, "tokenizer_smollm2.json"),
+        (ds4_testdata::GEMMA3, "tokenizer_gemma3_270m.json"),
+    ] {
+        let m = model_arg(file);
+        let srv = Server::start(&["-m", &m, "--no-kv-disk"]);
+        let v = vector(vectors);
+        let cases = v["cases"].as_array().unwrap();
+        assert!(cases.len() >= 40, "{vectors}");
+        for case in cases {
+            let text = case["text"].as_str().unwrap();
+            for enc in case["encodings"].as_array().unwrap() {
+                let (add, parse) = (&enc["add_special"], &enc["parse_special"]);
+                let what = format!("{file} {:?} [{}]", text, enc["variant"]);
+                let r = post(
+                    srv.port,
+                    "/tokenize",
+                    &json!({"content": text, "add_special": add, "parse_special": parse}),
+                );
+                assert_eq!(r.status, 200, "{what}: {}", r.body);
+                assert_eq!(r.json()["tokens"], enc["ids"], "{what}");
+                let r = post(
+                    srv.port,
+                    "/tokenize",
+                    &json!({"content": text, "add_special": add, "parse_special": parse,
+                            "with_pieces": true}),
+                );
+                let tokens = r.json()["tokens"].as_array().unwrap().clone();
+                let pieces = enc["pieces"].as_array().unwrap();
+                assert_eq!(tokens.len(), pieces.len(), "{what}");
+                for ((t, want), id) in tokens
+                    .iter()
+                    .zip(pieces)
+                    .zip(enc["ids"].as_array().unwrap())
+                {
+                    assert_eq!(&t["id"], id, "{what}");
+                    // A string exactly when the piece is UTF-8, as llama.cpp prints it.
+                    assert_eq!(t["piece"].is_string(), want.is_string(), "{what}: {t}");
+                    assert_eq!(piece_bytes(&t["piece"]), piece_bytes(want), "{what}");
+                }
+                let r = post(srv.port, "/detokenize", &json!({"tokens": enc["ids"]}));
+                assert_eq!(r.status, 200, "{what}: {}", r.body);
+                let concat = unhex(enc["pieces_concat_hex"].as_str().unwrap());
+                assert_eq!(
+                    r.json()["content"].as_str().unwrap(),
+                    String::from_utf8_lossy(&concat),
+                    "{what}"
+                );
+            }
+        }
+        // The defaults are llama.cpp's: no BOS, special texts parsed.
+        let special = if file == ds4_testdata::GEMMA3 {
+            "<start_of_turn>"
+        } else {
+            "<|im_start|>"
+        };
+        let r = post(srv.port, "/tokenize", &json!({ "content": special }));
+        assert_eq!(
+            r.json()["tokens"].as_array().unwrap().len(),
+            1,
+            "{}",
+            r.body
+        );
+        for (path, body, says) in [
+            ("/tokenize", json!({}), "missing field `content`"),
+            ("/tokenize", json!({"content": 3}), "expected a string"),
+            (
+                "/tokenize",
+                json!({"content": "a", "add_special": "yes"}),
+                "expected a boolean",
+            ),
+            ("/detokenize", json!({"tokens": [-1]}), "expected u32"),
+            (
+                "/detokenize",
+                json!({"tokens": "12"}),
+                "expected a sequence",
+            ),
+            (
+                "/detokenize",
+                json!({"tokens": [0, 4000000]}),
+                "token 4000000 is outside the vocabulary",
+            ),
+        ] {
+            let r = post(srv.port, path, &body);
+            assert_eq!(r.status, 400, "{path} {body}: {}", r.body);
+            assert!(r.body.contains(says), "{path} {body}: {}", r.body);
+        }
+        // Still serving after the refusals.
+        let r = post(srv.port, "/tokenize", &json!({ "content": "ok" }));
+        assert_eq!(r.status, 200, "{}", r.body);
+        srv.stop();
+    }
 }

@@ -1,6 +1,7 @@
 //! The HTTP side: the router (each route's handler lives with its dialect and
-//! runs through `relay::run`), the admission layer in front of it, the body
-//! cap, and the read-only routes (models, health, slots, metrics).
+//! runs through `relay::run`; llama.cpp's tokenizer routes in `native`), the
+//! admission layer in front of it, the body cap, and the read-only routes
+//! (models, health, slots, metrics).
 
 use std::sync::Arc;
 
@@ -81,6 +82,8 @@ pub fn router(
         )
         .route("/v1/responses", post(crate::responses::create))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(crate::native::tokenize))
+        .route("/detokenize", post(crate::native::detokenize))
         .route("/", get(root))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))

@@ -8,6 +8,7 @@ pub mod conn;
 pub mod dialect;
 pub mod http;
 pub mod metrics;
+mod native;
 pub mod normalize;
 pub mod notices;
 pub mod openai;

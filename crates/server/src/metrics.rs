@@ -59,6 +59,8 @@ impl Metrics {
             "/v1/messages/count_tokens",
             "/v1/responses",
             "/v1/models",
+            "/tokenize",
+            "/detokenize",
             "/health",
             "/metrics",
         ];
