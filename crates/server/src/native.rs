@@ -21,7 +21,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::dialect::{BadRequest, Dialect};
-use crate::openai::{Kind, OpenAi};
+use crate::openai::{parse_json, Kind, OpenAi};
 use crate::state::{cpu, AppState};
 
 #[derive(Deserialize)]
@@ -44,14 +44,9 @@ struct DetokenizeBody {
     tokens: Vec<u32>,
 }
 
-fn parse<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, BadRequest> {
-    serde_json::from_slice(body)
-        .map_err(|e| BadRequest::new(format!("invalid JSON request: {e}"), None))
-}
-
 /// The answer to a `/tokenize` body.
 fn tokenize_body(tok: &Tokenizer, body: &[u8]) -> Result<Value, BadRequest> {
-    let b: TokenizeBody = parse(body)?;
+    let b: TokenizeBody = parse_json(body)?;
     let ids = tok.encode(&b.content, b.add_special, b.parse_special);
     let tokens: Vec<Value> = match b.with_pieces {
         false => ids.iter().map(|&id| json!(id)).collect(),
@@ -72,7 +67,7 @@ fn tokenize_body(tok: &Tokenizer, body: &[u8]) -> Result<Value, BadRequest> {
 
 /// The answer to a `/detokenize` body.
 fn detokenize_body(tok: &Tokenizer, body: &[u8]) -> Result<Value, BadRequest> {
-    let b: DetokenizeBody = parse(body)?;
+    let b: DetokenizeBody = parse_json(body)?;
     let n_vocab = tok.n_vocab();
     if let Some(&id) = b.tokens.iter().find(|&&id| id as usize >= n_vocab) {
         return Err(BadRequest::new(

@@ -91,7 +91,7 @@ struct CompletionBody {
     prompt: Option<Value>,
 }
 
-fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, BadRequest> {
+pub(crate) fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, BadRequest> {
     serde_json::from_slice(body)
         .map_err(|e| BadRequest::new(format!("invalid JSON request: {e}"), None))
 }
