@@ -5,7 +5,8 @@
 //! further back than the window is answered as a cold run, and checkpoints never
 //! cross families. On the third (the tiny DeepSeek V4 model) the compressed
 //! state's checkpoints come back across a restart the same way. On the first two,
-//! llama.cpp's `/tokenize` and `/detokenize` answer as its tokenizer vectors.
+//! llama.cpp's `/tokenize` and `/detokenize` answer as its tokenizer vectors,
+//! and `/apply-template` renders what the chat route does.
 
 mod common;
 
@@ -60,6 +61,10 @@ fn gemma3_serves_completions_and_refuses_chat_without_a_template() {
             json!({"model": "x", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
         ),
         ("/v1/responses", json!({"model": "x", "input": "hi"})),
+        (
+            "/apply-template",
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+        ),
     ] {
         let r = post(srv.port, path, &body);
         assert_eq!(r.status, 400, "{path}: {}", r.body);
@@ -198,7 +203,8 @@ fn unhex(s: &str) -> Vec<u8> {
 /// llama.cpp's `/tokenize` and `/detokenize` on every family with a tokenizer
 /// vector: for each of its strings and its four encodings, the ids llama.cpp
 /// gave, each piece (string or bytes) as its server printed it, and the ids
-/// decoded back to the concatenated pieces; then the refusals.
+/// decoded back to the concatenated pieces; then the refusals, and (with a
+/// chat template) `/apply-template` against the chat route's prompt.
 #[test]
 fn tokenize_routes_answer_as_llama_cpp_on_every_family() {
     for (file, vectors) in [
@@ -287,6 +293,35 @@ fn tokenize_routes_answer_as_llama_cpp_on_every_family() {
             let r = post(srv.port, path, &body);
             assert_eq!(r.status, 400, "{path} {body}: {}", r.body);
             assert!(r.body.contains(says), "{path} {body}: {}", r.body);
+        }
+        if file == ds4_testdata::SMOLLM2 {
+            // /apply-template gives the text the chat route renders: tokenized
+            // as a prompt is, as many tokens as the completion's usage counts.
+            let chat = json!({"messages": [
+                {"role": "system", "content": "Answer in one word."},
+                {"role": "user", "content": "What is the capital of France?"}]});
+            let r = post(srv.port, "/apply-template", &chat);
+            assert_eq!(r.status, 200, "{}", r.body);
+            let prompt = r.json()["prompt"].as_str().unwrap().to_string();
+            assert!(
+                prompt.starts_with("<|im_start|>system\nAnswer in one word.<|im_end|>\n"),
+                "{prompt}"
+            );
+            assert!(prompt.ends_with("<|im_start|>assistant\n"), "{prompt}");
+            let r = post(
+                srv.port,
+                "/tokenize",
+                &json!({"content": prompt, "add_special": true}),
+            );
+            let n = r.json()["tokens"].as_array().unwrap().len();
+            let mut body = chat.clone();
+            body["max_tokens"] = json!(1);
+            let r = post(srv.port, "/v1/chat/completions", &body);
+            assert_eq!(r.status, 200, "{}", r.body);
+            assert_eq!(r.json()["usage"]["prompt_tokens"], json!(n), "{}", r.body);
+            let r = post(srv.port, "/apply-template", &json!({"messages": "x"}));
+            assert_eq!(r.status, 400, "{}", r.body);
+            assert!(r.body.contains("expected a sequence"), "{}", r.body);
         }
         // Still serving after the refusals.
         let r = post(srv.port, "/tokenize", &json!({ "content": "ok" }));

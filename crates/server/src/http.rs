@@ -84,6 +84,7 @@ pub fn router(
         .route("/v1/models", get(models))
         .route("/tokenize", post(crate::native::tokenize))
         .route("/detokenize", post(crate::native::detokenize))
+        .route("/apply-template", post(crate::native::apply_template))
         .route("/", get(root))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))

@@ -61,6 +61,7 @@ impl Metrics {
             "/v1/models",
             "/tokenize",
             "/detokenize",
+            "/apply-template",
             "/health",
             "/metrics",
         ];

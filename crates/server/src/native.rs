@@ -9,6 +9,9 @@
 //!   first; `parse_special` reads special tokens' texts as those tokens.
 //! - `POST /detokenize` `{"tokens": [id, ...]}` -> `{"content": str}`: the
 //!   pieces with special tokens rendered, bytes that are not UTF-8 replaced.
+//! - `POST /apply-template`, a chat completion's body -> `{"prompt": str}`: the
+//!   text the chat route renders it to (template, tools, thinking mode), with
+//!   the chat route's refusals.
 
 use std::sync::Arc;
 
@@ -21,7 +24,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::dialect::{BadRequest, Dialect};
-use crate::openai::{parse_json, Kind, OpenAi};
+use crate::openai::{parse_chat, parse_json, Kind, OpenAi};
+use crate::prepare::prompt_text;
 use crate::state::{cpu, AppState};
 
 #[derive(Deserialize)]
@@ -100,4 +104,14 @@ pub(crate) async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Re
 /// `POST /detokenize`.
 pub(crate) async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     reply(st, body, detokenize_body).await
+}
+
+/// `POST /apply-template`.
+pub(crate) async fn apply_template(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let d = OpenAi(Kind::Chat);
+    match cpu(&st, move |st| parse_chat(&body).map(|p| prompt_text(st, p))).await {
+        Ok(Ok(prompt)) => Json(json!({ "prompt": prompt })).into_response(),
+        Ok(Err(r)) => crate::relay::refuse(&d, r),
+        Err(e) => d.bad_request(e),
+    }
 }

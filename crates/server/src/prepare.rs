@@ -82,6 +82,13 @@ pub(crate) fn count_tokens(st: &AppState, mut p: Request) -> Result<usize, Refus
     Ok(encode_prompt(&st.model.tokenizer, &r.prompt).len())
 }
 
+/// The text of the prompt `p` renders to (`/apply-template`): what `prepare`
+/// tokenizes, as text.
+pub(crate) fn prompt_text(st: &AppState, mut p: Request) -> Result<String, Refusal> {
+    let r = render(st, &mut p).map_err(|m| Refusal::Invalid(m.into()))?;
+    Ok(r.prompt.as_str().to_string())
+}
+
 /// A rendered prompt's tokens (BOS/EOS as the model adds them): control tokens
 /// only where its markup spells them.
 pub fn encode_prompt(tok: &Tokenizer, prompt: &Prompt) -> Vec<u32> {
