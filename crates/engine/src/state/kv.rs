@@ -589,18 +589,8 @@ pub(crate) fn store_rows<T: AsF32Rows>(
         for h in 0..n_head_kv {
             let dst = (h * layout.rows + row) * head_dim;
             let src = t * n_kv + h * head_dim;
-            for (d, &x) in k_rows[dst..dst + head_dim]
-                .iter_mut()
-                .zip(&k[src..src + head_dim])
-            {
-                *d = T::narrow(x);
-            }
-            for (d, &x) in v_rows[dst..dst + head_dim]
-                .iter_mut()
-                .zip(&v[src..src + head_dim])
-            {
-                *d = T::narrow(x);
-            }
+            T::narrow_slice(&k[src..src + head_dim], &mut k_rows[dst..dst + head_dim]);
+            T::narrow_slice(&v[src..src + head_dim], &mut v_rows[dst..dst + head_dim]);
         }
     }
 }
