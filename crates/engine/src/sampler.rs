@@ -101,15 +101,41 @@ impl Sampler {
     }
 }
 
-/// Index of the largest logit (the first on ties).
+/// Index of the largest logit (the first on ties; NaNs are passed over, and a
+/// NaN first is kept: what a scan that moves on a strictly greater value gives).
+/// Two passes that vectorize, the largest value in 16 lanes then the first
+/// chunk holding it, where that scan was one dependent compare per logit
+/// (0.7% of SmolLM2's one-thread decode over its 49152).
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
+    const LANES: usize = 16;
+    match logits.first() {
+        None => return 0,
+        Some(x) if x.is_nan() => return 0,
+        Some(_) => {}
+    }
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, &l) in lanes.iter_mut().zip(c) {
+            *m = if l > *m { l } else { *m };
         }
     }
-    best as u32
+    let max = lanes
+        .iter()
+        .chain(tail)
+        .fold(logits[0], |m, &l| if l > m { l } else { m });
+    // `==` holds for the first NaN-free maximum (both zeros compare equal, as
+    // neither is greater than the other in the scan).
+    let at = logits
+        .chunks(LANES)
+        .position(|c| c.iter().fold(false, |hit, &l| hit | (l == max)))
+        .unwrap_or(0);
+    let first = logits[at * LANES..]
+        .iter()
+        .position(|&l| l == max)
+        .unwrap_or(0);
+    (at * LANES + first) as u32
 }
 
 /// `log(softmax(logits))`, accumulated in f64.
@@ -179,6 +205,52 @@ mod tests {
             h[s.sample(logits) as usize] += 1;
         }
         h
+    }
+
+    #[test]
+    fn argmax_is_the_first_strictly_greatest_of_a_scan() {
+        fn scan(logits: &[f32]) -> u32 {
+            let mut best = 0;
+            for (i, &l) in logits.iter().enumerate() {
+                if l > logits[best] {
+                    best = i;
+                }
+            }
+            best as u32
+        }
+        let mut x = 9u32;
+        let mut rnd = || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x
+        };
+        let specials = [
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+            -0.0,
+            3.0,
+            -3.0,
+        ];
+        for n in (0..70).chain([1000, 49152]) {
+            for trial in 0..20 {
+                let v: Vec<f32> = (0..n)
+                    .map(|_| match rnd() % 10 {
+                        // Few distinct values: ties everywhere.
+                        0..=2 => specials[rnd() as usize % specials.len()],
+                        3..=5 => (rnd() % 5) as f32,
+                        _ => (rnd() % 20000) as f32 / 100.0 - 100.0,
+                    })
+                    .collect();
+                assert_eq!(argmax(&v), scan(&v), "{n} logits, trial {trial}: {v:?}");
+            }
+        }
+        assert_eq!(argmax(&[-0.0, 0.0, -0.0]), 0);
+        assert_eq!(argmax(&[f32::NAN, 5.0]), 0);
+        assert_eq!(argmax(&[1.0, f32::NAN, 5.0, 5.0]), 2);
+        assert_eq!(argmax(&[f32::NEG_INFINITY; 40]), 0);
     }
 
     #[test]
