@@ -9,6 +9,7 @@
 use std::sync::{Arc, OnceLock};
 
 use ds4_engine::ops::Precision;
+use ds4_engine::sampler::argmax;
 use ds4_engine::ThreadPool;
 use ds4_engine::{EngineError, Model, Session, SessionOptions};
 use serde_json::Value;
@@ -50,16 +51,6 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
-}
-
-fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 struct Run {
