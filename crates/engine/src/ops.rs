@@ -31,42 +31,55 @@ pub enum Precision {
 /// `out = x / rms(x) * w` over each row of `w.len()` elements. The mean of squares
 /// is accumulated in f64, as ggml does.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    out[..x.len()].copy_from_slice(x);
-    rms_norm_inplace(&mut out[..x.len()], w, eps);
+    let n = w.len();
+    for (xg, og) in x.chunks(n * NORM_ROWS).zip(out.chunks_mut(n * NORM_ROWS)) {
+        let scales = norm_scales(xg, n, eps);
+        for ((xr, or), scale) in xg.chunks_exact(n).zip(og.chunks_exact_mut(n)).zip(scales) {
+            for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
+                *o = v * scale * g;
+            }
+        }
+    }
 }
 
-/// Rows whose sums of squares [`rms_norm_inplace`] runs side by side.
-const NORM_ROWS: usize = 8;
-
-/// [`rms_norm`] in place. Each row's squares are summed in element order, one
-/// dependent f64 addition after another; up to [`NORM_ROWS`] rows' chains are
-/// interleaved so that the additions of different rows overlap (the same sums,
-/// so the same bits, as row by row). Zen 5, Gemma 3 pp512 on one thread:
-/// row by row the norms were 3.8% of the time, a latency-bound chain per row.
+/// [`rms_norm`] in place.
 pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
     let n = w.len();
     for group in x.chunks_mut(n * NORM_ROWS) {
-        let rows = group.len() / n;
-        let mut ss = [0f64; NORM_ROWS];
-        if rows == NORM_ROWS {
-            for i in 0..n {
-                for (r, ss) in ss.iter_mut().enumerate() {
-                    let v = f64::from(group[r * n + i]);
-                    *ss += v * v;
-                }
-            }
-        } else {
-            for (row, ss) in group.chunks_exact(n).zip(&mut ss) {
-                *ss = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
-            }
-        }
-        for (row, ss) in group.chunks_exact_mut(n).zip(ss) {
-            let scale = (1.0 / (ss / n as f64 + f64::from(eps)).sqrt()) as f32;
+        let scales = norm_scales(group, n, eps);
+        for (row, scale) in group.chunks_exact_mut(n).zip(scales) {
             for (v, &g) in row.iter_mut().zip(w) {
                 *v = *v * scale * g;
             }
         }
     }
+}
+
+/// Rows whose sums of squares [`norm_scales`] runs side by side.
+const NORM_ROWS: usize = 8;
+
+/// `1 / rms` of each row of `n` in `group` (at most [`NORM_ROWS`] rows; the
+/// rest of the array unused). Each row's squares are summed in element order,
+/// one dependent f64 addition after another; a whole group's chains are
+/// interleaved so that the additions of different rows overlap (the same sums,
+/// so the same bits, as row by row). Zen 5, Gemma 3 pp512 on one thread: row
+/// by row the norms were 3.8% of the time, a latency-bound chain per row.
+fn norm_scales(group: &[f32], n: usize, eps: f32) -> [f32; NORM_ROWS] {
+    let rows = group.len() / n;
+    let mut ss = [0f64; NORM_ROWS];
+    if rows == NORM_ROWS {
+        for i in 0..n {
+            for (r, ss) in ss.iter_mut().enumerate() {
+                let v = f64::from(group[r * n + i]);
+                *ss += v * v;
+            }
+        }
+    } else {
+        for (row, ss) in group.chunks_exact(n).zip(&mut ss) {
+            *ss = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        }
+    }
+    ss.map(|ss| (1.0 / (ss / n as f64 + f64::from(eps)).sqrt()) as f32)
 }
 
 /// [`rms_norm`] of each token's row of `x` into `out`, the rows shared out to the
@@ -734,6 +747,15 @@ mod tests {
                 .collect();
             let mut all = vec![0f32; data.len()];
             rms_norm(&data, &w, 1e-6, &mut all);
+            let mut inplace = data.clone();
+            rms_norm_inplace(&mut inplace, &w, 1e-6);
+            assert!(
+                inplace
+                    .iter()
+                    .zip(&all)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{rows} rows: in place"
+            );
             for (r, got) in all.chunks_exact(n).enumerate() {
                 let row = &data[r * n..][..n];
                 let ss: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
