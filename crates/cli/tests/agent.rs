@@ -162,9 +162,13 @@ fn a_saved_session_comes_back_with_nothing_prefilled_and_answers_the_same() {
     let mut p = run();
     p.expect("> ").unwrap();
     p.send_line(format!("/switch {id}")).unwrap();
-    p.expect(format!("switched to session {id}").as_str())
+    let c = p
+        .expect(Regex(
+            format!(r"switched to session {id} .*: ([^\r\n]*)").as_str(),
+        ))
         .unwrap();
-    p.expect("restored").unwrap();
+    let how = String::from_utf8_lossy(c.get(1).unwrap()).into_owned();
+    assert!(how.starts_with("restored"), "{how}");
     let c = p.expect(Regex(STATUS)).unwrap();
     assert_eq!(c.get(1).unwrap(), b"0", "nothing prefilled");
     assert!(String::from_utf8_lossy(c.get(0).unwrap()).contains("cache disk-text"));

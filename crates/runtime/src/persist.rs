@@ -49,7 +49,6 @@ pub fn model_id(session: &Session) -> ModelId {
 pub struct Rates {
     pub load_bytes_per_s: f64,
     pub prefill_tokens_per_s: f64,
-    measured_load: bool,
     measured_prefill: bool,
 }
 
@@ -60,25 +59,36 @@ impl Default for Rates {
         Rates {
             load_bytes_per_s: 1e9,
             prefill_tokens_per_s: 200.0,
-            measured_load: false,
             measured_prefill: false,
         }
     }
 }
 
 impl Rates {
-    /// Folds a measurement into a rate: the first replaces the default, later
-    /// ones move it a third of the way (one slow disk read does not decide).
-    fn fold(rate: &mut f64, measured: &mut bool, new: f64) {
+    /// Folds a prefill's measured rate in: the first replaces the default
+    /// (a prefill worth noting takes long enough to say), later ones move it a
+    /// third of the way.
+    fn fold_prefill(&mut self, new: f64) {
         if !new.is_finite() || new <= 0.0 {
             return;
         }
-        *rate = if *measured {
-            *rate + (new - *rate) / 3.0
-        } else {
-            new
+        self.prefill_tokens_per_s = match self.measured_prefill {
+            true => self.prefill_tokens_per_s + (new - self.prefill_tokens_per_s) / 3.0,
+            false => new,
         };
-        *measured = true;
+        self.measured_prefill = true;
+    }
+
+    /// Folds a load's measured rate in: a third of the way there, in ratio,
+    /// from the default on. A load takes milliseconds, so one that a busy
+    /// machine preempted reads tens of times too slow, and it alone must not
+    /// turn every later load into a prefill; a truly slow disk shows within
+    /// a few loads (each one closes a third of the gap in orders of
+    /// magnitude).
+    fn fold_load(&mut self, new: f64) {
+        if new.is_finite() && new > 0.0 {
+            self.load_bytes_per_s *= (new / self.load_bytes_per_s).cbrt();
+        }
     }
 
     /// Seconds loading `bytes` takes.
@@ -193,12 +203,7 @@ impl Persist {
     /// about overheads than the rate, and are ignored).
     pub fn note_prefill(&mut self, tokens: usize, secs: f64) {
         if tokens >= 64 {
-            let r = &mut self.rates;
-            Rates::fold(
-                &mut r.prefill_tokens_per_s,
-                &mut r.measured_prefill,
-                tokens as f64 / secs,
-            );
+            self.rates.fold_prefill(tokens as f64 / secs);
         }
     }
 
@@ -358,12 +363,7 @@ impl Persist {
         }
         let secs = t.elapsed().as_secs_f64();
         if let Some(bytes) = cand.header.file_bytes().filter(|&b| b >= 1 << 20) {
-            let r = &mut self.rates;
-            Rates::fold(
-                &mut r.load_bytes_per_s,
-                &mut r.measured_load,
-                bytes as f64 / secs,
-            );
+            self.rates.fold_load(bytes as f64 / secs);
         }
         (self.w.notices)(Notice::Restored {
             slot,
@@ -632,6 +632,33 @@ mod tests {
             kv_type,
         };
         Session::new(Arc::clone(model), Arc::new(ThreadPool::new(1)), &opts)
+    }
+
+    /// One load that a busy machine stalled (2.5 MB in 0.6 s: the agent's
+    /// restore in a loaded CI run) does not make a conversation's checkpoint
+    /// "not worth loading" against an unmeasured prefill; a disk that stays
+    /// that slow does within a few loads, and a prefill's rate is taken at
+    /// its first measurement.
+    #[test]
+    fn one_stalled_load_does_not_decide_the_load_rate() {
+        let path = std::path::Path::new("x.kv");
+        let weigh =
+            |r: &Rates| crate::plan::Weighed::new(r, path, true, 105, 105, 2_600_000).verdict;
+        let mut rates = Rates::default();
+        rates.fold_load(1_400_000.0 / 0.6);
+        assert_eq!(weigh(&rates), crate::plan::Verdict::NotTried, "{rates:?}");
+        for _ in 0..6 {
+            rates.fold_load(1_400_000.0 / 0.6);
+        }
+        assert_eq!(weigh(&rates), crate::plan::Verdict::NotWorthIt, "{rates:?}");
+        let mut rates = Rates::default();
+        rates.fold_load(f64::NAN);
+        rates.fold_load(0.0);
+        assert_eq!(rates, Rates::default());
+        rates.fold_prefill(900.0);
+        assert_eq!(rates.prefill_tokens_per_s, 900.0);
+        rates.fold_prefill(300.0);
+        assert_eq!(rates.prefill_tokens_per_s, 700.0);
     }
 
     /// A checkpoint saved by an f16 session is skipped (with a notice) by an f32
