@@ -1,6 +1,9 @@
 """The official `openai` Python SDK against `ds4 serve`: chat completions,
 legacy completions and the Responses API, each plain and streamed."""
 
+import json
+import urllib.request
+
 import openai
 import pytest
 
@@ -206,3 +209,39 @@ def test_unsupported_options_are_sdk_errors(oai):
         oai.responses.create(model="ds4", input="hi", previous_response_id="resp_1")
     assert e.value.body["param"] == "previous_response_id"
     assert e.value.body["code"] == "previous_response_not_found"
+
+
+def _native(oai, path, body):
+    """POST to one of the server's llama.cpp routes (outside /v1)."""
+    root = str(oai.base_url).rstrip("/").removesuffix("/v1")
+    req = urllib.request.Request(
+        root + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.load(r)
+
+
+def test_logit_bias(oai):
+    """The SDK's `logit_bias` (ids as strings): -100 bans the greedy answer's
+    first token, +100 makes every step one token, 101 is refused by name."""
+
+    def complete(**kw):
+        kw.setdefault("max_tokens", 6)
+        r = oai.completions.create(
+            model="ds4", prompt="The capital of France is", temperature=0, **kw
+        )
+        return r.choices[0].text
+
+    def first_token(text):
+        return _native(oai, "/tokenize", {"content": text})["tokens"][0]
+
+    t0 = first_token(complete())
+    assert first_token(complete(logit_bias={str(t0): -100})) != t0
+    forced = next(t for t in map(first_token, [" Berlin", " Rome"]) if t != t0)
+    piece = _native(oai, "/detokenize", {"tokens": [forced]})["content"]
+    assert complete(logit_bias={str(forced): 100}, max_tokens=3) == piece * 3
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(logit_bias={"5": 101})
+    assert e.value.body["param"] == "logit_bias"

@@ -58,6 +58,7 @@ impl SamplingArgs {
             top_p: self.top_p,
             min_p: self.min_p,
             seed,
+            logit_bias: Vec::new(),
         }
     }
 }

@@ -277,6 +277,88 @@ fn bad_requests_get_precise_errors_and_the_server_keeps_serving() {
     );
 }
 
+/// `logit_bias` (OpenAI's object and llama.cpp's pairs) on a greedy
+/// completion: banning the first token changes the answer's first token, +100
+/// on a token makes every step that token, and an id outside the vocabulary
+/// is refused by name while the server goes on serving.
+#[test]
+fn logit_bias_bans_and_forces_tokens() {
+    let srv = Server::start(&["--no-kv-disk"]);
+    let complete = |extra: Value| {
+        let mut b =
+            json!({ "prompt": "The capital of France is", "temperature": 0, "max_tokens": 6 });
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        let r = post(srv.port, "/v1/completions", &b);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let first_token = |text: &str| {
+        let r = post(srv.port, "/tokenize", &json!({ "content": text }));
+        r.json()["tokens"][0].as_u64().unwrap()
+    };
+    let plain = complete(json!({}));
+    let t0 = first_token(&plain);
+    for ban in [
+        json!({ "logit_bias": { t0.to_string(): -100 } }),
+        json!({ "logit_bias": [[t0, false]] }),
+    ] {
+        let banned = complete(ban.clone());
+        assert_ne!(first_token(&banned), t0, "{ban}: {plain:?} -> {banned:?}");
+    }
+    // A token the answer would not start with, forced at every step.
+    let forced = [" Berlin", " Rome"]
+        .map(first_token)
+        .into_iter()
+        .find(|&t| t != t0)
+        .unwrap();
+    let piece = post(srv.port, "/detokenize", &json!({ "tokens": [forced] })).json()["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let text = complete(json!({ "logit_bias": { forced.to_string(): 100 }, "max_tokens": 3 }));
+    assert_eq!(text, piece.repeat(3));
+    // Streaming takes the same path.
+    let r = post(
+        srv.port,
+        "/v1/chat/completions",
+        &chat_body(
+            json!([{ "role": "user", "content": "Hi" }]),
+            json!({ "logit_bias": { forced.to_string(): 100 }, "max_tokens": 2, "stream": true }),
+        ),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let streamed: String = sse_data(&r.body)
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(streamed, piece.repeat(2));
+    let r = post(
+        srv.port,
+        "/v1/chat/completions",
+        &chat_body(
+            json!([{ "role": "user", "content": "Hi" }]),
+            json!({ "logit_bias": { "49152": 1 } }),
+        ),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("logit_bias: token 49152 is outside the vocabulary (49152 tokens)"),
+        "{}",
+        r.body
+    );
+    assert_eq!(complete(json!({})), plain);
+}
+
 #[test]
 fn api_key_is_required_when_set() {
     let srv = Server::start(&["--no-kv-disk", "--api-key", "s3cret", "--cors"]);

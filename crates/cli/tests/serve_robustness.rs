@@ -224,7 +224,9 @@ fn dialects() -> Vec<Dialect> {
                 with(&chat, json!({"messages": [5]})),
                 with(&chat, json!({"n": 2})),
                 with(&chat, json!({"logprobs": true})),
-                with(&chat, json!({"logit_bias": {"5": 1}})),
+                with(&chat, json!({"logit_bias": {"5": 101}})),
+                with(&chat, json!({"logit_bias": {"999999999": 1}})),
+                with(&chat, json!({"logit_bias": {"x": 1}})),
                 with(
                     &chat,
                     json!({"tools": [{"type": "function", "function": {"name": ""}}]}),

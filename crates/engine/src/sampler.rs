@@ -1,5 +1,6 @@
-//! Token sampling: greedy, or top-k → top-p → min-p → temperature → draw, the order
-//! llama.cpp's default chain uses (filters see the untempered distribution).
+//! Token sampling: the logit bias, then greedy, or top-k → top-p → min-p →
+//! temperature → draw, the order llama.cpp's default chain uses (filters see
+//! the untempered distribution).
 
 /// Sampling parameters. `temperature <= 0` means greedy.
 #[derive(Clone, Debug, PartialEq)]
@@ -12,6 +13,10 @@ pub struct SamplerConfig {
     /// 0.0 disables.
     pub min_p: f32,
     pub seed: u64,
+    /// Added to these tokens' logits before anything else (OpenAI's
+    /// `logit_bias`); `-inf` bans a token. Ids past the vocabulary are passed
+    /// over (the caller refuses them).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplerConfig {
@@ -22,6 +27,7 @@ impl Default for SamplerConfig {
             top_p: 0.95,
             min_p: 0.05,
             seed: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -30,6 +36,8 @@ pub struct Sampler {
     cfg: SamplerConfig,
     rng: SplitMix64,
     candidates: Vec<(u32, f32)>,
+    /// The logits with the bias added (kept: a vocabulary's worth per token).
+    biased: Vec<f32>,
 }
 
 impl Sampler {
@@ -38,6 +46,7 @@ impl Sampler {
             rng: SplitMix64(cfg.seed),
             cfg,
             candidates: Vec::new(),
+            biased: Vec::new(),
         }
     }
 
@@ -47,6 +56,23 @@ impl Sampler {
 
     /// Picks the next token from `logits`.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if self.cfg.logit_bias.is_empty() {
+            return self.pick(logits);
+        }
+        let mut biased = std::mem::take(&mut self.biased);
+        biased.clear();
+        biased.extend_from_slice(logits);
+        for &(id, b) in &self.cfg.logit_bias {
+            if let Some(l) = biased.get_mut(id as usize) {
+                *l += b;
+            }
+        }
+        let id = self.pick(&biased);
+        self.biased = biased;
+        id
+    }
+
+    fn pick(&mut self, logits: &[f32]) -> u32 {
         if self.cfg.temperature <= 0.0 {
             return argmax(logits);
         }
@@ -195,6 +221,7 @@ mod tests {
             top_p,
             min_p,
             seed: 42,
+            logit_bias: vec![],
         }
     }
 
@@ -251,6 +278,34 @@ mod tests {
         assert_eq!(argmax(&[f32::NAN, 5.0]), 0);
         assert_eq!(argmax(&[1.0, f32::NAN, 5.0, 5.0]), 2);
         assert_eq!(argmax(&[f32::NEG_INFINITY; 40]), 0);
+    }
+
+    /// The bias moves greedy's choice and every draw's; `-inf` bans a token
+    /// even when it is the only one the filters would keep; an id past the
+    /// vocabulary changes nothing.
+    #[test]
+    fn the_logit_bias_comes_before_every_filter() {
+        let logits = [0.1, 3.0, 2.9, 1.0];
+        let biased = |b: Vec<(u32, f32)>, temperature: f32, top_k: usize| SamplerConfig {
+            logit_bias: b,
+            ..cfg(temperature, top_k, 1.0, 0.0)
+        };
+        let mut s = Sampler::new(biased(vec![(2, 0.2)], 0.0, 0));
+        assert_eq!(s.sample(&logits), 2);
+        let mut s = Sampler::new(biased(vec![(1, -0.2), (99, 50.0)], 0.0, 0));
+        assert_eq!(s.sample(&logits), 2);
+        let mut s = Sampler::new(biased(vec![(0, 100.0)], 0.0, 0));
+        assert_eq!(s.sample(&logits), 0);
+        // top_k 1 keeps only the biased argmax: token 1 banned, 2 is drawn.
+        let h = histogram(biased(vec![(1, f32::NEG_INFINITY)], 1.0, 1), &logits, 200);
+        assert_eq!(h, vec![0, 0, 200, 0]);
+        let h = histogram(biased(vec![(1, f32::NEG_INFINITY)], 1.0, 0), &logits, 2000);
+        assert_eq!(h[1], 0, "{h:?}");
+        assert!(h[2] > h[3] && h[3] > h[0], "{h:?}");
+        // The logits themselves are left as they were.
+        let mut s = Sampler::new(biased(vec![(3, 9.0)], 0.0, 0));
+        assert_eq!(s.sample(&logits), 3);
+        assert_eq!(Sampler::new(cfg(0.0, 0, 1.0, 0.0)).sample(&logits), 1);
     }
 
     #[test]

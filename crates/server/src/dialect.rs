@@ -176,6 +176,7 @@ pub fn default_sampling() -> SamplerConfig {
         top_p: 0.9,
         min_p: 0.05,
         seed: 0,
+        logit_bias: Vec::new(),
     }
 }
 

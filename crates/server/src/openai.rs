@@ -96,17 +96,68 @@ pub(crate) fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, Ba
         .map_err(|e| BadRequest::new(format!("invalid JSON request: {e}"), None))
 }
 
-fn common(c: Common) -> Result<Request, BadRequest> {
-    let sampling = c.sampling.config(2.0)?;
-    if c.logit_bias
-        .as_ref()
-        .is_some_and(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty()))
-    {
-        return Err(BadRequest::new(
-            "logit_bias is not supported",
-            Some("logit_bias"),
-        ));
+/// OpenAI's `logit_bias`, an object from token ids (decimal strings) to a
+/// bias from -100 to 100, or llama.cpp's list of `[id, bias]` pairs; `false`
+/// as a bias bans the token (llama.cpp's reading). Whether each id is in the
+/// vocabulary is checked when the prompt is prepared.
+fn logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>, BadRequest> {
+    let bad = |m: String| BadRequest::new(format!("logit_bias: {m}"), Some("logit_bias"));
+    let id_of = |v: &Value| -> Result<u32, BadRequest> {
+        let id = match v {
+            Value::String(s) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) => {
+                s.parse().ok()
+            }
+            Value::Number(n) => n.as_u64().and_then(|n| u32::try_from(n).ok()),
+            _ => None,
+        };
+        id.ok_or_else(|| bad(format!("{v} is not a token id")))
+    };
+    let bias_of = |id: u32, v: &Value| -> Result<f32, BadRequest> {
+        match v {
+            Value::Bool(false) => Ok(f32::NEG_INFINITY),
+            Value::Number(n) => match n.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => Ok(b as f32),
+                _ => Err(bad(format!(
+                    "the bias of token {id} is {n}, outside -100..100"
+                ))),
+            },
+            _ => Err(bad(format!(
+                "the bias of token {id} must be a number from -100 to 100 (or false to ban it)"
+            ))),
+        }
+    };
+    let entries: Vec<(u32, &Value)> = match v {
+        None | Some(Value::Null) => return Ok(vec![]),
+        Some(Value::Object(o)) => o
+            .iter()
+            .map(|(k, b)| Ok((id_of(&Value::String(k.clone()))?, b)))
+            .collect::<Result<_, BadRequest>>()?,
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|pair| match pair.as_array().map(Vec::as_slice) {
+                Some([id, b]) => Ok((id_of(id)?, b)),
+                _ => Err(bad(format!("{pair} is not an [id, bias] pair"))),
+            })
+            .collect::<Result<_, BadRequest>>()?,
+        Some(_) => {
+            return Err(bad(
+                "must be an object from token ids to biases (or a list of [id, bias] pairs)".into(),
+            ))
+        }
+    };
+    let mut out: Vec<(u32, f32)> = Vec::with_capacity(entries.len());
+    for (id, b) in entries {
+        if out.iter().any(|&(seen, _)| seen == id) {
+            return Err(bad(format!("token {id} is given twice")));
+        }
+        out.push((id, bias_of(id, b)?));
     }
+    Ok(out)
+}
+
+fn common(c: Common) -> Result<Request, BadRequest> {
+    let mut sampling = c.sampling.config(2.0)?;
+    sampling.logit_bias = logit_bias(c.logit_bias.as_ref())?;
     if c.logprobs
         .as_ref()
         .is_some_and(|v| v.as_bool() == Some(true) || v.is_number())
@@ -579,9 +630,39 @@ mod tests {
             bad(r#"{"messages":[{"content":"x"}],"n":2}"#),
             "only n = 1 is supported"
         );
-        assert!(
-            bad(r#"{"messages":[{"content":"x"}],"logit_bias":{"5":1}}"#).contains("logit_bias")
+        for (bias, why) in [
+            (r#"{"x":1}"#, r#""x" is not a token id"#),
+            (r#"{"-5":1}"#, "is not a token id"),
+            (
+                r#"{"5":101}"#,
+                "the bias of token 5 is 101, outside -100..100",
+            ),
+            (r#"{"5":"1"}"#, "must be a number from -100 to 100"),
+            (r#"{"5":true}"#, "must be a number"),
+            (r#"{"5":1,"05":2}"#, "token 5 is given twice"),
+            (r#"[[5]]"#, "[5] is not an [id, bias] pair"),
+            (r#"[["Hello",1]]"#, r#""Hello" is not a token id"#),
+            (r#"[[4294967296,1]]"#, "is not a token id"),
+            (r#""5""#, "must be an object"),
+        ] {
+            let body = format!(r#"{{"messages":[{{"content":"x"}}],"logit_bias":{bias}}}"#);
+            let m = bad(&body);
+            assert!(
+                m.starts_with("logit_bias: ") && m.contains(why),
+                "{bias}: {m}"
+            );
+        }
+        let bias = |b: &str| {
+            let body = format!(r#"{{"messages":[{{"content":"x"}}],"logit_bias":{b}}}"#);
+            parse_chat(body.as_bytes()).unwrap().sampling.logit_bias
+        };
+        assert_eq!(bias(r#"{"5":-1.5,"7":100}"#), [(5, -1.5), (7, 100.0)]);
+        assert_eq!(
+            bias(r#"[[5,false],["9",-100]]"#),
+            [(5, f32::NEG_INFINITY), (9, -100.0)]
         );
+        assert_eq!(bias("{}"), []);
+        assert_eq!(bias("null"), []);
         assert!(
             bad(r#"{"messages":[{"content":[{"type":"image_url","image_url":{}}]}]}"#)
                 .contains("image_url parts")

@@ -46,6 +46,17 @@ pub(crate) enum Refusal {
 /// Renders, bounds, tokenizes and compiles `p` (see the module doc); `id` names
 /// the request in the trace.
 pub(crate) fn prepare(st: &AppState, p: &mut Request, id: &str) -> Result<Prepared, Refusal> {
+    let n_vocab = st.model.tokenizer.n_vocab();
+    if let Some((t, _)) = p
+        .sampling
+        .logit_bias
+        .iter()
+        .find(|(t, _)| *t as usize >= n_vocab)
+    {
+        return Err(Refusal::Invalid(format!(
+            "logit_bias: token {t} is outside the vocabulary ({n_vocab} tokens)"
+        )));
+    }
     let r = render(st, p).map_err(|m| Refusal::Invalid(m.into()))?;
     let limit = TokenLimit::of(p.max_tokens, st.cfg.default_max_tokens);
     let n_ctx = st.cfg.n_ctx;

@@ -76,13 +76,14 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, mut d: Box<dyn Dialect>) 
     };
     let mut sampling = p.sampling.clone();
     if r.think != ThinkMode::None {
-        // Thinking runs with the family's own sampling (system spec §6.2).
+        // Thinking runs with the family's own sampling (system spec §6.2);
+        // the request's seed and bias still apply.
         sampling = ds4_engine::SamplerConfig {
             temperature: 1.0,
             top_k: 0,
             top_p: 1.0,
             min_p: 0.05,
-            seed: sampling.seed,
+            ..sampling
         };
     }
     let shaper = {
