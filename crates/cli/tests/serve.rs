@@ -319,15 +319,13 @@ fn logit_bias_bans_and_forces_tokens() {
         .to_string();
     let text = complete(json!({ "logit_bias": { forced.to_string(): 100 }, "max_tokens": 3 }));
     assert_eq!(text, piece.repeat(3));
+    let chat = |extra: Value| {
+        let hi = json!([{ "role": "user", "content": "Hi" }]);
+        post(srv.port, "/v1/chat/completions", &chat_body(hi, extra))
+    };
     // Streaming takes the same path.
-    let r = post(
-        srv.port,
-        "/v1/chat/completions",
-        &chat_body(
-            json!([{ "role": "user", "content": "Hi" }]),
-            json!({ "logit_bias": { forced.to_string(): 100 }, "max_tokens": 2, "stream": true }),
-        ),
-    );
+    let r =
+        chat(json!({ "logit_bias": { forced.to_string(): 100 }, "max_tokens": 2, "stream": true }));
     assert_eq!(r.status, 200, "{}", r.body);
     let streamed: String = sse_data(&r.body)
         .iter()
@@ -339,14 +337,7 @@ fn logit_bias_bans_and_forces_tokens() {
         })
         .collect();
     assert_eq!(streamed, piece.repeat(2));
-    let r = post(
-        srv.port,
-        "/v1/chat/completions",
-        &chat_body(
-            json!([{ "role": "user", "content": "Hi" }]),
-            json!({ "logit_bias": { "49152": 1 } }),
-        ),
-    );
+    let r = chat(json!({ "logit_bias": { "49152": 1 } }));
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(
         r.json()["error"]["message"]
