@@ -245,3 +245,34 @@ def test_logit_bias(oai):
     with pytest.raises(openai.BadRequestError) as e:
         complete(logit_bias={"5": 101})
     assert e.value.body["param"] == "logit_bias"
+
+
+def test_logprobs(oai):
+    """Log-probabilities as the SDK reads them: chat's content tokens (their
+    bytes make the answer, the best alternative is greedy's choice) and the
+    legacy completion's lists, streamed alike."""
+    r = chat(oai, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert b"".join(bytes(t.bytes) for t in content).decode() == r.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2
+        assert t.top_logprobs[0].logprob == t.logprob <= 0
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+    assert chat(oai).choices[0].logprobs is None
+    streamed = [
+        t.logprob
+        for c in chat(oai, logprobs=True, stream=True)
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
+    assert streamed == [t.logprob for t in content]
+
+    c = oai.completions.create(
+        model="ds4", prompt="The capital of France is", temperature=0, max_tokens=6, logprobs=3
+    ).choices[0]
+    assert "".join(c.logprobs.tokens) == c.text
+    assert len(c.logprobs.token_logprobs) == len(c.logprobs.tokens) == len(c.logprobs.text_offset)
+    assert all(max(top.values()) == lp for top, lp in zip(c.logprobs.top_logprobs, c.logprobs.token_logprobs))
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(oai, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"

@@ -483,6 +483,7 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
             breakpoints: vec![],
             gate: None,
             turn_save: Some(ds4_kvstore::SaveReason::TurnEnd),
+            logprobs: None,
             meta: serde_json::Value::Null,
             events: tx,
         };

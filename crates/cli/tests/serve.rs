@@ -350,6 +350,131 @@ fn logit_bias_bans_and_forces_tokens() {
     assert_eq!(complete(json!({})), plain);
 }
 
+/// Log-probabilities on both OpenAI endpoints: one entry per token of the
+/// text, alternatives best first with greedy's choice the best, the raw
+/// model's numbers (a bias does not move them), streamed as given whole, a
+/// stop sequence's tokens left out (and a token it cuts kept), and the
+/// refusals.
+#[test]
+fn logprobs_cover_the_tokens_of_the_answer() {
+    let srv = Server::start(&["--no-kv-disk"]);
+    let complete = |extra: Value| {
+        let mut b = json!({ "prompt": "The capital of France is", "temperature": 0,
+                            "max_tokens": 8, "logprobs": 3 });
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        post(srv.port, "/v1/completions", &b)
+    };
+    let r = complete(json!({}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let (text, lp) = (
+        v["choices"][0]["text"].as_str().unwrap(),
+        &v["choices"][0]["logprobs"],
+    );
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.concat(), text);
+    assert_eq!(
+        tokens.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    let mut offset = 0;
+    for (i, t) in tokens.iter().enumerate() {
+        assert_eq!(lp["text_offset"][i], offset);
+        offset += t.chars().count();
+        let chosen = lp["token_logprobs"][i].as_f64().unwrap();
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        assert!(top.len() <= 3 && top.contains_key(*t), "{i}: {top:?}");
+        let best = top
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        assert!(chosen <= 0.0 && chosen == best, "{i}: {chosen} {top:?}");
+    }
+    // Streamed, the same entries.
+    let r = complete(json!({ "stream": true }));
+    let chunks: Vec<Value> = sse_data(&r.body)
+        .iter()
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect();
+    let streamed: Vec<Value> = chunks
+        .iter()
+        .map(|c| &c["choices"][0]["logprobs"])
+        .filter(|l| !l.is_null())
+        .flat_map(|l| l["token_logprobs"].as_array().unwrap().clone())
+        .collect();
+    assert_eq!(streamed, *lp["token_logprobs"].as_array().unwrap());
+    // A stop sequence at the second token: only the first is kept.
+    let v = complete(json!({ "stop": [tokens[1]] })).json();
+    assert_eq!(v["choices"][0]["text"], tokens[0], "{v}");
+    assert_eq!(v["choices"][0]["logprobs"]["tokens"], json!([tokens[0]]));
+    // One that starts inside the first token: the text cut there, the token
+    // kept.
+    assert!(tokens[0].chars().count() >= 3, "{tokens:?}");
+    let tail: String = tokens[0].chars().skip(2).collect();
+    let v = complete(json!({ "stop": [tail] })).json();
+    let head: String = tokens[0].chars().take(2).collect();
+    assert_eq!(v["choices"][0]["text"], head, "{v}");
+    assert_eq!(v["choices"][0]["logprobs"]["tokens"], json!([tokens[0]]));
+    // The model's own numbers: forced by a bias, a token keeps its low logprob.
+    let r = complete(json!({ "max_tokens": 1, "logit_bias": { "28": 100 } }));
+    let forced = r.json()["choices"][0]["logprobs"]["token_logprobs"][0]
+        .as_f64()
+        .unwrap();
+    assert!(forced < -1.0, "{forced}");
+    // Chat: the content's tokens with their bytes and alternatives.
+    let chat = |extra: Value| {
+        let q = json!([{ "role": "user", "content": "What is the capital of France?" }]);
+        post(srv.port, "/v1/chat/completions", &chat_body(q, extra))
+    };
+    let v = chat(json!({ "logprobs": true, "top_logprobs": 2 })).json();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    let mut joined = Vec::new();
+    for e in content {
+        let bytes: Vec<u8> = e["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u8)
+            .collect();
+        assert_eq!(e["token"], String::from_utf8_lossy(&bytes).as_ref());
+        joined.extend(bytes);
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 2);
+        assert_eq!(top[0]["logprob"], e["logprob"]);
+        assert!(top[0]["logprob"].as_f64() >= top[1]["logprob"].as_f64());
+    }
+    assert_eq!(
+        String::from_utf8(joined).unwrap(),
+        v["choices"][0]["message"]["content"]
+    );
+    assert!(chat(json!({})).json()["choices"][0]["logprobs"].is_null());
+    for (extra, why) in [
+        (json!({ "top_logprobs": 2 }), "top_logprobs needs logprobs"),
+        (
+            json!({ "logprobs": true, "top_logprobs": 21 }),
+            "top_logprobs must be an integer from 0 to 20",
+        ),
+        (json!({ "logprobs": 1 }), "logprobs must be true or false"),
+        (
+            json!({ "logprobs": true, "tools": [{ "type": "function", "function": { "name": "f" } }] }),
+            "not with tools or thinking",
+        ),
+    ] {
+        let r = chat(extra.clone());
+        assert_eq!(r.status, 400, "{extra}: {}", r.body);
+        assert!(r.body.contains(why), "{extra}: {}", r.body);
+    }
+    let r = complete(json!({ "logprobs": true }));
+    assert_eq!(r.status, 400, "{}", r.body);
+}
+
 #[test]
 fn api_key_is_required_when_set() {
     let srv = Server::start(&["--no-kv-disk", "--api-key", "s3cret", "--cors"]);

@@ -11,7 +11,7 @@ use ds4_engine::tokenizer::StreamDecoder;
 use ds4_engine::{Sampler, Tokenizer};
 use tokio::sync::mpsc;
 
-use crate::job::{Event, FinishReason, Gate, TokenLimit};
+use crate::job::{Event, FinishReason, Gate, Logprobs, TokenLimit, TokenLogprob};
 
 /// What a generation does after a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,6 +38,52 @@ pub(crate) struct Generation {
     /// Everything emitted so far.
     pub output: String,
     pub started: Instant,
+    scores: Option<Scores>,
+}
+
+/// The log-probabilities a job asked for: each generated token's, held until
+/// the text it makes has been emitted (stop sequences hold text back), with
+/// where that text lies in the decoded stream, of which the output is a
+/// prefix.
+struct Scores {
+    top: usize,
+    held: Vec<(std::ops::Range<usize>, Logprobs)>,
+    /// Bytes decoded so far (emitted or held back).
+    decoded: usize,
+}
+
+impl Scores {
+    /// Token `id`'s log-probability and the `top` likeliest under `logits`.
+    fn of(&self, logits: &[f32], id: u32, tok: &Tokenizer) -> Logprobs {
+        let lp = ds4_engine::sampler::log_softmax(logits);
+        let entry = |id: u32| TokenLogprob {
+            id,
+            bytes: tok.token_piece(id, true).to_vec(),
+            logprob: lp.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY),
+        };
+        Logprobs {
+            chosen: entry(id),
+            top: ds4_engine::sampler::top_k(&lp, self.top)
+                .into_iter()
+                .map(|(id, _)| entry(id))
+                .collect(),
+        }
+    }
+
+    /// Takes the held tokens that `emitted` bytes of output hold: wholly, or
+    /// (the output is final) in part.
+    fn take(&mut self, emitted: usize, last: bool) -> Vec<Logprobs> {
+        let done = |r: &std::ops::Range<usize>| match last {
+            true => r.start < emitted || r.is_empty() && r.start <= emitted,
+            false => r.end <= emitted,
+        };
+        let n = self.held.iter().take_while(|(r, _)| done(r)).count();
+        let out = self.held.drain(..n).map(|(_, l)| l).collect();
+        if last {
+            self.held.clear();
+        }
+        out
+    }
 }
 
 impl Generation {
@@ -47,6 +93,7 @@ impl Generation {
         gate: Option<Gate>,
         limit: TokenLimit,
         max_tokens: usize,
+        logprobs: Option<usize>,
     ) -> Self {
         Generation {
             sampler,
@@ -58,6 +105,11 @@ impl Generation {
             generated: 0,
             output: String::new(),
             started: Instant::now(),
+            scores: logprobs.map(|top| Scores {
+                top,
+                held: Vec::new(),
+                decoded: 0,
+            }),
         }
     }
 
@@ -77,9 +129,14 @@ impl Generation {
         let piece = tok.token_piece(next, false);
         self.guard.commit(next, piece, tok);
         let text = self.stream.push(piece).to_string();
+        if let Some(s) = &mut self.scores {
+            let lp = s.of(logits, next, tok);
+            s.held.push((s.decoded..s.decoded + text.len(), lp));
+            s.decoded += text.len();
+        }
         let (emit, stopped) = self.stops.push(&text);
         self.output.push_str(&emit);
-        if !emit.is_empty() && events.blocking_send(Event::Text(emit)).is_err() {
+        if !self.send(emit, stopped, events) {
             return Next::FeedAndFinish(next, FinishReason::Cancelled);
         }
         if stopped {
@@ -101,13 +158,26 @@ impl Generation {
         }
     }
 
+    /// Sends `emit` (newly emitted text), after the log-probabilities of the
+    /// tokens it completes (with `last`, the output is final: those it holds a
+    /// part of); false when the client is gone.
+    fn send(&mut self, emit: String, last: bool, events: &mpsc::Sender<Event>) -> bool {
+        if let Some(s) = &mut self.scores {
+            let done = s.take(self.output.len(), last);
+            if !done.is_empty() && events.blocking_send(Event::Logprobs(done)).is_err() {
+                return false;
+            }
+        }
+        emit.is_empty() || events.blocking_send(Event::Text(emit)).is_ok()
+    }
+
     /// Emits what was held back (unless `finish` is a cancellation) and
     /// returns the whole output.
     pub fn finish(&mut self, finish: FinishReason, events: &mpsc::Sender<Event>) {
         let tail = self.stops.finish(self.stream.finish());
         self.output.push_str(&tail);
-        if !tail.is_empty() && finish != FinishReason::Cancelled {
-            let _ = events.blocking_send(Event::Text(tail));
+        if finish != FinishReason::Cancelled {
+            self.send(tail, true, events);
         }
     }
 }
@@ -288,6 +358,37 @@ impl StopMatcher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Held tokens go out once the output holds their text: wholly while
+    /// more may come, and at the end those it holds any of (a token whose
+    /// text is empty, a piece of a character, goes with what precedes it).
+    #[test]
+    fn log_probabilities_go_out_with_the_text_they_make() {
+        let entry = |id: u32| Logprobs {
+            chosen: TokenLogprob {
+                id,
+                bytes: vec![],
+                logprob: -1.0,
+            },
+            top: vec![],
+        };
+        let mut s = Scores {
+            top: 0,
+            held: [0..3, 3..3, 3..7, 7..9, 9..12]
+                .into_iter()
+                .zip(0..)
+                .map(|(r, id)| (r, entry(id)))
+                .collect(),
+            decoded: 12,
+        };
+        let ids = |v: Vec<Logprobs>| v.iter().map(|l| l.chosen.id).collect::<Vec<_>>();
+        assert_eq!(ids(s.take(2, false)), Vec::<u32>::new());
+        assert_eq!(ids(s.take(5, false)), [0, 1]);
+        assert_eq!(ids(s.take(7, false)), [2]);
+        // A stop sequence from byte 8 on: the token it cuts stays, the rest go.
+        assert_eq!(ids(s.take(8, true)), [3]);
+        assert!(s.held.is_empty());
+    }
 
     #[test]
     fn winding_down_starts_at_a_bounded_quarter_of_the_budget() {

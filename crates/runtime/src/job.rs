@@ -73,6 +73,9 @@ pub struct Job {
     /// own after the last event: it never delays this response nor another
     /// slot's token. A cancelled or failed job is not saved.
     pub turn_save: Option<ds4_kvstore::SaveReason>,
+    /// Report each generated token's log-probability with this many
+    /// alternatives ([`Event::Logprobs`]).
+    pub logprobs: Option<usize>,
     /// Opaque fields the caller wants in this job's notices (its trace).
     pub meta: serde_json::Value,
     pub events: mpsc::Sender<Event>,
@@ -270,8 +273,28 @@ impl Divergence {
     }
 }
 
+/// A token and its log-probability under the model (the raw logits' log
+/// softmax: before any bias, grammar mask, filter or temperature).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub id: u32,
+    /// Its text, control tokens spelled out (a piece of a UTF-8 character is
+    /// only part of one).
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+}
+
+/// A generated token's log-probability and its likeliest alternatives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Logprobs {
+    pub chosen: TokenLogprob,
+    /// The [`Job::logprobs`] likeliest tokens, best first.
+    pub top: Vec<TokenLogprob>,
+}
+
 /// What the runtime reports for a job, in order: `Started`, any number of
-/// `Text`, then `Done` or `Failed`.
+/// `Text` (each preceded, when the job asks for them, by the `Logprobs` of
+/// the tokens it completes), then `Done` or `Failed`.
 #[derive(Clone, Debug)]
 pub enum Event {
     /// The prompt and reuse counts (nothing generated or checkpointed yet).
@@ -282,6 +305,9 @@ pub enum Event {
         prefilled: usize,
         total: usize,
     },
+    /// The generated tokens whose text the next `Text` completes (those a
+    /// stop sequence cut off are never sent).
+    Logprobs(Vec<Logprobs>),
     Text(String),
     Done {
         finish: FinishReason,

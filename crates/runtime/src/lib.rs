@@ -29,8 +29,8 @@ pub use conversations::{
     ConversationError, Conversations, MAX_CONVERSATIONS, MAX_CONVERSATION_BYTES,
 };
 pub use job::{
-    tokens_within, CacheSource, Divergence, Event, FinishReason, Gate, Job, JobError, Overflow,
-    SubmitError, TokenLimit, Usage,
+    tokens_within, CacheSource, Divergence, Event, FinishReason, Gate, Job, JobError, Logprobs,
+    Overflow, SubmitError, TokenLimit, TokenLogprob, Usage,
 };
 pub use notice::{discard, Finished, Notice, NoticeSink, Planned};
 pub use persist::{model_id, Offers, Persist, Rates, Restored, StoreUsage, Writer};

@@ -988,6 +988,7 @@ impl Engine {
             job.gate.take(),
             job.limit,
             run.max_tokens,
+            job.logprobs,
         ));
         self.choose_next(i);
     }

@@ -205,7 +205,7 @@ pub(crate) fn dialect_for_path(path: &str) -> Arc<dyn Dialect> {
     if path.starts_with("/v1/messages") {
         return Arc::new(crate::anthropic::Anthropic::default());
     }
-    Arc::new(OpenAi(Kind::Chat))
+    Arc::new(OpenAi::new(Kind::Chat))
 }
 
 #[cfg(test)]

@@ -209,6 +209,7 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
         stop,
         stream: b.stream.unwrap_or(false),
         include_usage: false,
+        logprobs: None,
         agent,
     })
 }

@@ -25,6 +25,9 @@ pub struct Request {
     pub stream: bool,
     /// OpenAI `stream_options.include_usage`.
     pub include_usage: bool,
+    /// Each generated token's log-probability with this many alternatives
+    /// (OpenAI `logprobs` / `top_logprobs`).
+    pub logprobs: Option<usize>,
     pub agent: AgentOptions,
 }
 
@@ -306,6 +309,10 @@ pub trait Dialect: Send + Sync + 'static {
             ),
         }
     }
+    /// The log-probabilities of generated tokens (the request asked for
+    /// them), given before the text they make: the dialect puts them in its
+    /// next chunk, or in the whole body. Dialects without them pass them over.
+    fn logprobs(&mut self, _l: Vec<ds4_runtime::Logprobs>) {}
     /// The non-streaming response body.
     fn complete(&mut self, g: &Gen, turn: &Turn, finish: FinishReason, usage: &Usage) -> Value;
     /// Events before the first piece (`started` has the prompt and cached counts).

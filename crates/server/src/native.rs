@@ -92,7 +92,7 @@ async fn reply(
 ) -> Response {
     match cpu(&st, move |st| answer(&st.model.tokenizer, &body)).await {
         Ok(v) => Json(v).into_response(),
-        Err(e) => OpenAi(Kind::Chat).bad_request(e),
+        Err(e) => OpenAi::new(Kind::Chat).bad_request(e),
     }
 }
 
@@ -108,7 +108,7 @@ pub(crate) async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> 
 
 /// `POST /apply-template`.
 pub(crate) async fn apply_template(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let d = OpenAi(Kind::Chat);
+    let d = OpenAi::new(Kind::Chat);
     match cpu(&st, move |st| parse_chat(&body).map(|p| prompt_text(st, p))).await {
         Ok(Ok(prompt)) => Json(json!({ "prompt": prompt })).into_response(),
         Ok(Err(r)) => crate::relay::refuse(&d, r),

@@ -22,7 +22,7 @@ use crate::dialect::{
 use crate::relay::run;
 use crate::state::{cpu, AppState};
 use ds4_chat::turn::{CallOut, Piece, Turn};
-use ds4_runtime::{FinishReason, Usage};
+use ds4_runtime::{FinishReason, Logprobs, TokenLogprob, Usage};
 
 #[derive(Deserialize)]
 struct Common {
@@ -36,6 +36,7 @@ struct Common {
     stream_options: Option<StreamOptions>,
     logit_bias: Option<Value>,
     logprobs: Option<Value>,
+    top_logprobs: Option<Value>,
     audio: Option<Value>,
     modalities: Option<Value>,
     tools: Option<Value>,
@@ -155,18 +156,46 @@ fn logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>, BadRequest> {
     Ok(out)
 }
 
-fn common(c: Common) -> Result<Request, BadRequest> {
+/// Most alternatives a token's log-probability comes with (OpenAI's limit).
+const MAX_TOP_LOGPROBS: u64 = 20;
+
+/// The alternatives per token the request asks log-probabilities with: chat
+/// takes `logprobs: true` and `top_logprobs` (0-20, only with `logprobs`),
+/// completions `logprobs: N` (0-20, OpenAI's limit being 5).
+fn logprobs(kind: Kind, c: &Common) -> Result<Option<usize>, BadRequest> {
+    let count = |v: &Value, name: &'static str| match v.as_u64() {
+        Some(n) if n <= MAX_TOP_LOGPROBS => Ok(n as usize),
+        _ => Err(BadRequest::new(
+            format!("{name} must be an integer from 0 to {MAX_TOP_LOGPROBS}"),
+            Some(name),
+        )),
+    };
+    let top = c.top_logprobs.as_ref().filter(|v| !v.is_null());
+    match (kind, c.logprobs.as_ref().filter(|v| !v.is_null())) {
+        (Kind::Chat, Some(Value::Bool(true))) => Ok(Some(match top {
+            Some(t) => count(t, "top_logprobs")?,
+            None => 0,
+        })),
+        (Kind::Chat, None | Some(Value::Bool(false))) => match top {
+            Some(_) => Err(BadRequest::new(
+                "top_logprobs needs logprobs set to true",
+                Some("top_logprobs"),
+            )),
+            None => Ok(None),
+        },
+        (Kind::Chat, Some(_)) => Err(BadRequest::new(
+            "logprobs must be true or false",
+            Some("logprobs"),
+        )),
+        (Kind::Completion, Some(v)) => count(v, "logprobs").map(Some),
+        (Kind::Completion, None) => Ok(None),
+    }
+}
+
+fn common(c: Common, kind: Kind) -> Result<Request, BadRequest> {
     let mut sampling = c.sampling.config(2.0)?;
     sampling.logit_bias = logit_bias(c.logit_bias.as_ref())?;
-    if c.logprobs
-        .as_ref()
-        .is_some_and(|v| v.as_bool() == Some(true) || v.is_number())
-    {
-        return Err(BadRequest::new(
-            "logprobs are not supported yet",
-            Some("logprobs"),
-        ));
-    }
+    let logprobs = logprobs(kind, &c)?;
     if c.audio.as_ref().is_some_and(|v| !v.is_null()) {
         return Err(BadRequest::new(
             "audio output is not supported",
@@ -247,6 +276,7 @@ fn common(c: Common) -> Result<Request, BadRequest> {
             .stream_options
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
+        logprobs,
         agent,
     })
 }
@@ -328,7 +358,7 @@ fn content_text(v: Option<Value>, i: usize) -> Result<String, BadRequest> {
 
 pub fn parse_chat(body: &[u8]) -> Result<Request, BadRequest> {
     let b: ChatBody = parse_json(body)?;
-    let mut p = common(b.common)?;
+    let mut p = common(b.common, Kind::Chat)?;
     let msgs = b
         .messages
         .ok_or_else(|| BadRequest::new("missing `messages`", Some("messages")))?;
@@ -378,7 +408,7 @@ pub fn parse_chat(body: &[u8]) -> Result<Request, BadRequest> {
 
 pub fn parse_completion(body: &[u8]) -> Result<Request, BadRequest> {
     let b: CompletionBody = parse_json(body)?;
-    let mut p = common(b.common)?;
+    let mut p = common(b.common, Kind::Completion)?;
     if !p.agent.tools.is_empty() {
         return Err(BadRequest::new(
             "tools need a chat endpoint (/v1/chat/completions)",
@@ -422,31 +452,90 @@ pub enum Kind {
     Completion,
 }
 
-/// The OpenAI wire format of one endpoint.
-pub struct OpenAi(pub Kind);
+/// The OpenAI wire format of one endpoint, with the log-probabilities given
+/// and not yet sent.
+pub struct OpenAi {
+    kind: Kind,
+    logprobs: Vec<Logprobs>,
+    /// Characters of the token texts already sent (a completion chunk's
+    /// `text_offset` counts from the start of the output).
+    sent_chars: usize,
+}
 
 impl OpenAi {
+    pub fn new(kind: Kind) -> Self {
+        OpenAi {
+            kind,
+            logprobs: Vec::new(),
+            sent_chars: 0,
+        }
+    }
+
     fn object(&self, streaming: bool) -> &'static str {
-        match (self.0, streaming) {
+        match (self.kind, streaming) {
             (Kind::Chat, false) => "chat.completion",
             (Kind::Chat, true) => "chat.completion.chunk",
             (Kind::Completion, _) => "text_completion",
         }
     }
 
-    /// One streaming chunk with a chat `delta` (completions read its `content`).
-    pub fn chunk(&self, g: &Gen, delta: Value, finish: Option<FinishReason>) -> Value {
+    /// One streaming chunk with a chat `delta` (completions read its
+    /// `content`), carrying the log-probabilities given since the last.
+    pub fn chunk(&mut self, g: &Gen, delta: Value, finish: Option<FinishReason>) -> Value {
         let finish = finish.map(FinishReason::as_str);
-        let choice = match self.0 {
+        let logprobs = self.take_logprobs();
+        let choice = match self.kind {
             Kind::Chat => {
-                json!({ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish })
+                json!({ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish })
             }
             Kind::Completion => {
                 let text = delta.get("content").and_then(Value::as_str).unwrap_or("");
-                json!({ "index": 0, "text": text, "logprobs": null, "finish_reason": finish })
+                json!({ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish })
             }
         };
         json!({ "id": g.id, "object": self.object(true), "created": g.created, "model": g.model, "choices": [choice] })
+    }
+
+    /// The log-probabilities given and not yet sent, in this endpoint's
+    /// shape (`null` when there are none): chat's `content` list of tokens
+    /// with their bytes and alternatives, or the legacy completion's parallel
+    /// lists with each token's character offset in the output.
+    fn take_logprobs(&mut self) -> Value {
+        if self.logprobs.is_empty() {
+            return Value::Null;
+        }
+        let given = std::mem::take(&mut self.logprobs);
+        let text = |t: &TokenLogprob| String::from_utf8_lossy(&t.bytes).into_owned();
+        match self.kind {
+            Kind::Chat => {
+                let entry = |t: &TokenLogprob| json!({ "token": text(t), "logprob": t.logprob, "bytes": t.bytes });
+                let content: Vec<Value> = given
+                    .iter()
+                    .map(|l| {
+                        let mut e = entry(&l.chosen);
+                        e["top_logprobs"] = l.top.iter().map(entry).collect();
+                        e
+                    })
+                    .collect();
+                json!({ "content": content, "refusal": null })
+            }
+            Kind::Completion => {
+                let mut offsets = Vec::with_capacity(given.len());
+                for l in &given {
+                    offsets.push(self.sent_chars);
+                    self.sent_chars += text(&l.chosen).chars().count();
+                }
+                json!({
+                    "tokens": given.iter().map(|l| text(&l.chosen)).collect::<Vec<_>>(),
+                    "token_logprobs": given.iter().map(|l| l.chosen.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": given
+                        .iter()
+                        .map(|l| l.top.iter().map(|t| (text(t), json!(t.logprob))).collect())
+                        .collect::<Vec<serde_json::Map<String, Value>>>(),
+                    "text_offset": offsets,
+                })
+            }
+        }
     }
 }
 
@@ -494,7 +583,7 @@ pub fn bad_request_response(e: BadRequest) -> Response {
 
 impl Dialect for OpenAi {
     fn id_prefix(&self) -> &'static str {
-        match self.0 {
+        match self.kind {
             Kind::Chat => "chatcmpl",
             Kind::Completion => "cmpl",
         }
@@ -508,8 +597,13 @@ impl Dialect for OpenAi {
         bad_request_response(e)
     }
 
+    fn logprobs(&mut self, l: Vec<Logprobs>) {
+        self.logprobs.extend(l);
+    }
+
     fn complete(&mut self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
-        let choice = match self.0 {
+        let logprobs = self.take_logprobs();
+        let choice = match self.kind {
             Kind::Chat => {
                 let mut message = json!({ "role": "assistant", "content": turn.content });
                 if turn.content.is_empty() && !turn.calls.is_empty() {
@@ -521,10 +615,10 @@ impl Dialect for OpenAi {
                 if !turn.calls.is_empty() {
                     message["tool_calls"] = turn.calls.iter().map(call_json).collect();
                 }
-                json!({ "index": 0, "message": message, "logprobs": null, "finish_reason": finish.as_str() })
+                json!({ "index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish.as_str() })
             }
             Kind::Completion => {
-                json!({ "index": 0, "text": turn.content, "logprobs": null, "finish_reason": finish.as_str() })
+                json!({ "index": 0, "text": turn.content, "logprobs": logprobs, "finish_reason": finish.as_str() })
             }
         };
         json!({ "id": g.id, "object": self.object(false), "created": g.created, "model": g.model,
@@ -532,7 +626,7 @@ impl Dialect for OpenAi {
     }
 
     fn stream_start(&mut self, g: &Gen, _started: &Usage) -> Vec<SseEvent> {
-        match self.0 {
+        match self.kind {
             Kind::Chat => vec![data(&self.chunk(
                 g,
                 json!({ "role": "assistant", "content": "" }),
@@ -574,7 +668,7 @@ impl Dialect for OpenAi {
 
 /// `POST /v1/chat/completions`.
 pub(crate) async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let d: Box<dyn Dialect> = Box::new(OpenAi(Kind::Chat));
+    let d: Box<dyn Dialect> = Box::new(OpenAi::new(Kind::Chat));
     match cpu(&st, move |_| parse_chat(&body)).await {
         Ok(p) => run(st, p, d).await,
         Err(e) => d.bad_request(e),
@@ -583,7 +677,7 @@ pub(crate) async fn chat_completions(State(st): State<Arc<AppState>>, body: Byte
 
 /// `POST /v1/completions`.
 pub(crate) async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    let d: Box<dyn Dialect> = Box::new(OpenAi(Kind::Completion));
+    let d: Box<dyn Dialect> = Box::new(OpenAi::new(Kind::Completion));
     match cpu(&st, move |_| parse_completion(&body)).await {
         Ok(p) => run(st, p, d).await,
         Err(e) => d.bad_request(e),
@@ -686,7 +780,7 @@ mod tests {
             created: 1,
             model: "m".into(),
         };
-        let chat = OpenAi(Kind::Chat);
+        let mut chat = OpenAi::new(Kind::Chat);
         let c = chat.chunk(&g, piece_delta(&Piece::Text("hi".into())), None);
         assert_eq!(c["choices"][0]["delta"]["content"], "hi");
         assert!(c["choices"][0]["finish_reason"].is_null());
@@ -700,7 +794,8 @@ mod tests {
             c["choices"][0]["delta"]["tool_calls"][0],
             json!({"index":0,"id":"call_1","type":"function","function":{"name":"f","arguments":"{\"a\":1}"}})
         );
-        let c = OpenAi(Kind::Completion).chunk(&g, piece_delta(&Piece::Text("yo".into())), None);
+        let c =
+            OpenAi::new(Kind::Completion).chunk(&g, piece_delta(&Piece::Text("yo".into())), None);
         assert_eq!(c["choices"][0]["text"], "yo");
         let c = chat.chunk(&g, json!({}), Some(FinishReason::Length));
         assert_eq!(
@@ -715,7 +810,7 @@ mod tests {
     #[test]
     fn overflows_carry_openais_wording_and_code() {
         use ds4_runtime::Overflow;
-        let d = OpenAi(Kind::Chat);
+        let d = OpenAi::new(Kind::Chat);
         let o = Overflow {
             prompt_tokens: 9000,
             at_least: false,

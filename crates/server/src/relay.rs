@@ -74,6 +74,14 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, mut d: Box<dyn Dialect>) 
         Ok(r) => r,
         Err(refusal) => return refuse(d.as_ref(), refusal),
     };
+    if p.logprobs.is_some() && (r.think != ThinkMode::None || r.parser.is_some()) {
+        // The tokens would be those of the thinking and the calls' markup
+        // too, which the answer's content does not show.
+        return d.bad_request(crate::dialect::BadRequest::new(
+            "logprobs are only given for plain answers: not with tools or thinking",
+            Some("logprobs"),
+        ));
+    }
     let mut sampling = p.sampling.clone();
     if r.think != ThinkMode::None {
         // Thinking runs with the family's own sampling (system spec §6.2);
@@ -108,6 +116,7 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, mut d: Box<dyn Dialect>) 
         breakpoints: r.breakpoints,
         gate: r.gate,
         turn_save: Some(ds4_kvstore::SaveReason::TurnEnd),
+        logprobs: p.logprobs,
         meta: json!({ "tool_replay": { "exact": r.replay.exact, "canonical": r.replay.canonical } }),
         events: tx,
     };
@@ -142,6 +151,7 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, mut d: Box<dyn Dialect>) 
         while let Some(ev) = rx.recv().await {
             match ev {
                 Event::Started(_) | Event::Progress { .. } => {}
+                Event::Logprobs(l) => d.logprobs(l),
                 Event::Text(t) => {
                     shaper.push(&t);
                 }
@@ -186,6 +196,10 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, mut d: Box<dyn Dialect>) 
             let (mut rx, mut shaper, mut d) = state?;
             let out = match rx.recv().await {
                 Some(Event::Progress { .. }) => return Some((vec![], Some((rx, shaper, d)))),
+                Some(Event::Logprobs(l)) => {
+                    d.logprobs(l);
+                    return Some((vec![], Some((rx, shaper, d))));
+                }
                 Some(Event::Text(t)) => {
                     let events = shaper
                         .push(&t)

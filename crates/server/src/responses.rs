@@ -245,6 +245,7 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         stop: vec![],
         stream: b.stream.unwrap_or(false),
         include_usage: true,
+        logprobs: None,
         agent,
     };
     let mut dialect = Responses::new(echo);

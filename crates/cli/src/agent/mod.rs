@@ -363,6 +363,7 @@ impl<'a> Agent<'a> {
             breakpoints: vec![],
             gate,
             turn_save: save,
+            logprobs: None,
             meta: serde_json::Value::Null,
             events: tx,
         };

@@ -186,6 +186,7 @@ fn submit(
         breakpoints: vec![],
         gate: None,
         turn_save: Some(ds4_kvstore::SaveReason::TurnEnd),
+        logprobs: None,
         meta: serde_json::Value::Null,
         events: tx,
     })
@@ -226,7 +227,7 @@ fn follow(
                     break;
                 }
             }
-            Event::Progress { .. } => {}
+            Event::Progress { .. } | Event::Logprobs(_) => {}
             Event::Failed(e) => bail!("client {client}: {e}"),
         }
     }

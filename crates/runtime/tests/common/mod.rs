@@ -33,6 +33,7 @@ pub fn greedy_job(
         breakpoints,
         gate: None,
         turn_save: None,
+        logprobs: None,
         meta: serde_json::Value::Null,
         events: tx,
     };
@@ -47,7 +48,7 @@ pub fn collect(mut rx: mpsc::Receiver<Event>) -> (String, FinishReason, Usage) {
             Event::Text(t) => text.push_str(&t),
             Event::Done { finish, usage } => return (text, finish, usage),
             Event::Failed(e) => panic!("job failed: {e}"),
-            Event::Started(_) | Event::Progress { .. } => {}
+            Event::Started(_) | Event::Progress { .. } | Event::Logprobs(_) => {}
         }
     }
     panic!("no Done event")
