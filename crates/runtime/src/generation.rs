@@ -63,10 +63,13 @@ impl Scores {
         };
         Logprobs {
             chosen: entry(id),
-            top: ds4_engine::sampler::top_k(&lp, self.top)
-                .into_iter()
-                .map(|(id, _)| entry(id))
-                .collect(),
+            top: match self.top {
+                0 => vec![],
+                k => ds4_engine::sampler::top_k(&lp, k)
+                    .into_iter()
+                    .map(|(id, _)| entry(id))
+                    .collect(),
+            },
         }
     }
 
