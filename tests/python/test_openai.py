@@ -276,3 +276,22 @@ def test_logprobs(oai):
     with pytest.raises(openai.BadRequestError) as e:
         chat(oai, top_logprobs=2)
     assert e.value.body["param"] == "top_logprobs"
+
+
+def test_responses_logprobs(oai):
+    """The Responses API's `include` / `top_logprobs`, as the SDK reads them:
+    the same tokens as the chat answer to the same question."""
+    r = oai.responses.create(
+        model="ds4",
+        input=QUESTION,
+        temperature=0,
+        max_output_tokens=24,
+        top_logprobs=2,
+        include=["message.output_text.logprobs"],
+    )
+    part = r.output[0].content[0]
+    assert "".join(t.token for t in part.logprobs) == part.text
+    assert all(len(t.top_logprobs) == 2 for t in part.logprobs)
+    assert [t.logprob for t in part.logprobs] == [
+        t.logprob for t in chat(oai, logprobs=True).choices[0].logprobs.content
+    ]

@@ -226,8 +226,10 @@ BASES = {
 FIELDS = {
     "/v1/chat/completions": ["model", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
                              "seed", "n", "stop", "stream", "tools", "tool_choice", "response_format",
-                             "stream_options", "logit_bias", "thinking", "prompt_cache_key"],
-    "/v1/completions": ["prompt", "max_tokens", "temperature", "stream", "stop", "seed", "n", "tools"],
+                             "stream_options", "logit_bias", "logprobs", "top_logprobs", "thinking",
+                             "prompt_cache_key"],
+    "/v1/completions": ["prompt", "max_tokens", "temperature", "stream", "stop", "seed", "n", "tools",
+                        "logit_bias", "logprobs"],
     "/v1/messages": ["model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k",
                      "stop_sequences", "stream", "tools", "tool_choice", "thinking", "min_p", "n", "seed",
                      "output_format"],

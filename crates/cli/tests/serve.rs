@@ -12,11 +12,26 @@ use common::*;
 use serde_json::{json, Value};
 
 fn chat_body(messages: Value, extra: Value) -> Value {
-    let mut b = json!({ "messages": messages, "temperature": 0, "max_tokens": 24 });
+    merged(
+        json!({ "messages": messages, "temperature": 0, "max_tokens": 24 }),
+        extra,
+    )
+}
+
+/// `base` with `extra`'s fields set.
+fn merged(mut base: Value, extra: Value) -> Value {
     for (k, v) in extra.as_object().unwrap() {
-        b[k] = v.clone();
+        base[k] = v.clone();
     }
-    b
+    base
+}
+
+/// The JSON events of an SSE body.
+fn sse_json(body: &str) -> Vec<Value> {
+    sse_data(body)
+        .iter()
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect()
 }
 
 /// The records of a `--trace` file.
@@ -285,11 +300,10 @@ fn bad_requests_get_precise_errors_and_the_server_keeps_serving() {
 fn logit_bias_bans_and_forces_tokens() {
     let srv = Server::start(&["--no-kv-disk"]);
     let complete = |extra: Value| {
-        let mut b =
-            json!({ "prompt": "The capital of France is", "temperature": 0, "max_tokens": 6 });
-        for (k, v) in extra.as_object().unwrap() {
-            b[k] = v.clone();
-        }
+        let b = merged(
+            json!({ "prompt": "The capital of France is", "temperature": 0, "max_tokens": 6 }),
+            extra,
+        );
         let r = post(srv.port, "/v1/completions", &b);
         assert_eq!(r.status, 200, "{}", r.body);
         r.json()["choices"][0]["text"].as_str().unwrap().to_string()
@@ -327,9 +341,8 @@ fn logit_bias_bans_and_forces_tokens() {
     let r =
         chat(json!({ "logit_bias": { forced.to_string(): 100 }, "max_tokens": 2, "stream": true }));
     assert_eq!(r.status, 200, "{}", r.body);
-    let streamed: String = sse_data(&r.body)
-        .iter()
-        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+    let streamed: String = sse_json(&r.body)
+        .into_iter()
         .filter_map(|v| {
             v["choices"][0]["delta"]["content"]
                 .as_str()
@@ -350,7 +363,7 @@ fn logit_bias_bans_and_forces_tokens() {
     assert_eq!(complete(json!({})), plain);
 }
 
-/// Log-probabilities on both OpenAI endpoints: one entry per token of the
+/// Log-probabilities on the OpenAI endpoints: one entry per token of the
 /// text, alternatives best first with greedy's choice the best, the raw
 /// model's numbers (a bias does not move them), streamed as given whole, a
 /// stop sequence's tokens left out (and a token it cuts kept), and the
@@ -359,11 +372,11 @@ fn logit_bias_bans_and_forces_tokens() {
 fn logprobs_cover_the_tokens_of_the_answer() {
     let srv = Server::start(&["--no-kv-disk"]);
     let complete = |extra: Value| {
-        let mut b = json!({ "prompt": "The capital of France is", "temperature": 0,
-                            "max_tokens": 8, "logprobs": 3 });
-        for (k, v) in extra.as_object().unwrap() {
-            b[k] = v.clone();
-        }
+        let b = merged(
+            json!({ "prompt": "The capital of France is", "temperature": 0,
+                            "max_tokens": 8, "logprobs": 3 }),
+            extra,
+        );
         post(srv.port, "/v1/completions", &b)
     };
     let r = complete(json!({}));
@@ -399,10 +412,7 @@ fn logprobs_cover_the_tokens_of_the_answer() {
     }
     // Streamed, the same entries.
     let r = complete(json!({ "stream": true }));
-    let chunks: Vec<Value> = sse_data(&r.body)
-        .iter()
-        .filter_map(|d| serde_json::from_str(d).ok())
-        .collect();
+    let chunks = sse_json(&r.body);
     let streamed: Vec<Value> = chunks
         .iter()
         .map(|c| &c["choices"][0]["logprobs"])
@@ -455,6 +465,37 @@ fn logprobs_cover_the_tokens_of_the_answer() {
         v["choices"][0]["message"]["content"]
     );
     assert!(chat(json!({})).json()["choices"][0]["logprobs"].is_null());
+    // The Responses API renders the same prompt: the same tokens, whole and
+    // streamed.
+    let responses = |extra: Value| {
+        let b = merged(
+            json!({ "input": "What is the capital of France?", "temperature": 0,
+                            "max_output_tokens": 24, "top_logprobs": 2,
+                            "include": ["message.output_text.logprobs"] }),
+            extra,
+        );
+        post(srv.port, "/v1/responses", &b)
+    };
+    let r = responses(json!({})).json();
+    assert_eq!(
+        r["output"][0]["content"][0]["logprobs"],
+        json!(content),
+        "{r}"
+    );
+    assert_eq!(r["top_logprobs"], 2);
+    let r = responses(json!({ "stream": true }));
+    let events = sse_json(&r.body);
+    let deltas: Vec<Value> = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .flat_map(|e| e["logprobs"].as_array().unwrap().clone())
+        .collect();
+    assert_eq!(json!(deltas), json!(content));
+    let done = events
+        .iter()
+        .find(|e| e["type"] == "response.output_text.done")
+        .unwrap();
+    assert_eq!(done["logprobs"], json!(content));
     for (extra, why) in [
         (json!({ "top_logprobs": 2 }), "top_logprobs needs logprobs"),
         (

@@ -433,7 +433,11 @@ fn dialects() -> Vec<Dialect> {
                     &responses,
                     json!({"text": {"format": {"type": "json_schema"}}}),
                 ),
-                with(&responses, json!({"top_logprobs": 3})),
+                with(&responses, json!({"top_logprobs": 21})),
+                with(
+                    &responses,
+                    json!({"include": "message.output_text.logprobs"}),
+                ),
                 with(&responses, json!({"max_output_tokens": 0})),
                 with(&responses, json!({"tool_choice": "required"})),
                 with(
@@ -468,6 +472,7 @@ fn dialects() -> Vec<Dialect> {
                 ("/reasoning", "oz"),
                 ("/text", "oz"),
                 ("/top_logprobs", "nz"),
+                ("/include", "*"),
             ],
             text: "/input/0/content",
             generates: true,

@@ -507,18 +507,7 @@ impl OpenAi {
         let given = std::mem::take(&mut self.logprobs);
         let text = |t: &TokenLogprob| String::from_utf8_lossy(&t.bytes).into_owned();
         match self.kind {
-            Kind::Chat => {
-                let entry = |t: &TokenLogprob| json!({ "token": text(t), "logprob": t.logprob, "bytes": t.bytes });
-                let content: Vec<Value> = given
-                    .iter()
-                    .map(|l| {
-                        let mut e = entry(&l.chosen);
-                        e["top_logprobs"] = l.top.iter().map(entry).collect();
-                        e
-                    })
-                    .collect();
-                json!({ "content": content, "refusal": null })
-            }
+            Kind::Chat => json!({ "content": logprob_entries(&given), "refusal": null }),
             Kind::Completion => {
                 let mut offsets = Vec::with_capacity(given.len());
                 for l in &given {
@@ -537,6 +526,20 @@ impl OpenAi {
             }
         }
     }
+}
+
+/// Tokens' log-probabilities as chat and the Responses API give them: each
+/// token's text, log-probability and bytes, with its alternatives alike.
+pub(crate) fn logprob_entries(given: &[Logprobs]) -> Vec<Value> {
+    let entry = |t: &TokenLogprob| json!({ "token": String::from_utf8_lossy(&t.bytes), "logprob": t.logprob, "bytes": t.bytes });
+    given
+        .iter()
+        .map(|l| {
+            let mut e = entry(&l.chosen);
+            e["top_logprobs"] = l.top.iter().map(entry).collect();
+            e
+        })
+        .collect()
 }
 
 fn call_json(c: &CallOut) -> Value {

@@ -36,7 +36,7 @@ use crate::relay::run;
 use crate::state::AppState;
 use ds4_chat::turn::{CallOut, Piece, Turn};
 use ds4_chat::ToolCall;
-use ds4_runtime::{Conversations, FinishReason, Usage};
+use ds4_runtime::{Conversations, FinishReason, Logprobs, Usage};
 
 /// The request fields we read. `metadata`, `user`, `parallel_tool_calls` and
 /// `truncation` are type-checked and otherwise ignored (the response object
@@ -66,6 +66,7 @@ struct Body {
     reasoning: Option<Reasoning>,
     text: Option<TextConfig>,
     top_logprobs: Option<u64>,
+    include: Option<Value>,
     prompt_cache_key: Option<String>,
 }
 
@@ -88,6 +89,7 @@ struct Echo {
     max_output_tokens: Option<u64>,
     temperature: f32,
     top_p: f32,
+    top_logprobs: usize,
     metadata: Value,
     user: Option<String>,
     parallel_tool_calls: bool,
@@ -124,10 +126,37 @@ pub struct Responses {
     /// The reasoning streamed so far (`Some` once its item opened) and whether
     /// its item is closed.
     reasoning: (Option<String>, bool),
+    /// Log-probabilities given and not yet sent, and those of the text so far
+    /// (in OpenAI's shape).
+    logprobs: Vec<Logprobs>,
+    text_logprobs: Vec<Value>,
 }
 
 fn bad(message: impl Into<String>, param: &'static str) -> BadRequest {
     BadRequest::new(message, Some(param))
+}
+
+/// The alternatives per token the request asks log-probabilities with:
+/// `include` naming `message.output_text.logprobs` (with `top_logprobs`
+/// alternatives, 0-20), or `top_logprobs` above 0 alone.
+fn logprobs(top: Option<u64>, include: Option<&Value>) -> Result<Option<usize>, BadRequest> {
+    let top = match top {
+        Some(n) if n > 20 => {
+            return Err(bad(
+                "top_logprobs must be an integer from 0 to 20",
+                "top_logprobs",
+            ))
+        }
+        t => t.unwrap_or(0) as usize,
+    };
+    let included = match include {
+        None | Some(Value::Null) => false,
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) => a
+            .iter()
+            .any(|v| v.as_str() == Some("message.output_text.logprobs")),
+        Some(_) => return Err(bad("include must be an array of strings", "include")),
+    };
+    Ok((included || top > 0).then_some(top))
 }
 
 /// Parses a `/v1/responses` body into the engine request and the dialect that
@@ -182,9 +211,7 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         single_call: b.parallel_tool_calls == Some(false),
     };
     agent.validate()?;
-    if b.top_logprobs.is_some_and(|n| n > 0) {
-        return Err(bad("logprobs are not supported yet", "top_logprobs"));
-    }
+    let logprobs = logprobs(b.top_logprobs, b.include.as_ref())?;
 
     let sampling = b.sampling.config(2.0)?;
     if b.max_output_tokens == Some(0) {
@@ -219,6 +246,7 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         max_output_tokens: b.max_output_tokens,
         temperature: sampling.temperature,
         top_p: sampling.top_p,
+        top_logprobs: logprobs.unwrap_or(0),
         metadata: b.metadata.filter(|m| !m.is_null()).unwrap_or(json!({})),
         user: b.user,
         parallel_tool_calls: b.parallel_tool_calls.unwrap_or(true),
@@ -245,7 +273,7 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         stop: vec![],
         stream: b.stream.unwrap_or(false),
         include_usage: true,
-        logprobs: None,
+        logprobs,
         agent,
     };
     let mut dialect = Responses::new(echo);
@@ -493,15 +521,17 @@ fn reasoning_item(g: &Gen, text: Option<&str>) -> Value {
     json!({ "type": "reasoning", "id": reasoning_id(g), "summary": summary })
 }
 
-fn output_text(text: &str) -> Value {
-    json!({ "type": "output_text", "text": text, "annotations": [], "logprobs": [] })
+/// An `output_text` part with the log-probabilities of its tokens (when the
+/// request asked for them).
+fn output_text(text: &str, logprobs: &[Value]) -> Value {
+    json!({ "type": "output_text", "text": text, "annotations": [], "logprobs": logprobs })
 }
 
 /// The assistant message item; `text: None` gives the empty item that opens a
 /// stream.
-fn message_item(id: &str, status: &str, text: Option<&str>) -> Value {
+fn message_item(id: &str, status: &str, text: Option<&str>, logprobs: &[Value]) -> Value {
     let content = match text {
-        Some(t) => json!([output_text(t)]),
+        Some(t) => json!([output_text(t, logprobs)]),
         None => json!([]),
     };
     json!({ "type": "message", "id": id, "status": status, "role": "assistant", "content": content })
@@ -529,10 +559,15 @@ fn output_items(
     g: &Gen,
     summary: bool,
     item_status: &str,
-    turn: &Turn,
+    (turn, logprobs): (&Turn, &[Value]),
     ns: &HashMap<String, String>,
 ) -> Vec<Value> {
-    let mut items = vec![message_item(&ids(g).1, item_status, Some(&turn.content))];
+    let mut items = vec![message_item(
+        &ids(g).1,
+        item_status,
+        Some(&turn.content),
+        logprobs,
+    )];
     if summary && !turn.reasoning.is_empty() {
         items.push(reasoning_item(g, Some(&turn.reasoning)));
     }
@@ -562,6 +597,14 @@ impl Responses {
             echo,
             ..Responses::default()
         }
+    }
+
+    /// The entries of the log-probabilities given since the last call, kept
+    /// with the text's.
+    fn take_logprobs(&mut self) -> Vec<Value> {
+        let entries = crate::openai::logprob_entries(&std::mem::take(&mut self.logprobs));
+        self.text_logprobs.extend(entries.iter().cloned());
+        entries
     }
 
     /// Keeps a stored response's conversation: its messages and its answer
@@ -621,6 +664,7 @@ impl Responses {
             "text": { "format": e.text_format },
             "tool_choice": e.tool_choice,
             "tools": e.tools,
+            "top_logprobs": e.top_logprobs,
             "top_p": short_float(e.top_p),
             "truncation": "disabled",
             "usage": usage.map(usage_json),
@@ -647,11 +691,11 @@ impl Responses {
             self.event("response.in_progress", json!({ "response": r })),
             self.event(
                 "response.output_item.added",
-                json!({ "output_index": 0, "item": message_item(&msg_id, "in_progress", None) }),
+                json!({ "output_index": 0, "item": message_item(&msg_id, "in_progress", None, &[]) }),
             ),
             self.event(
                 "response.content_part.added",
-                json!({ "item_id": msg_id, "output_index": 0, "content_index": 0, "part": output_text("") }),
+                json!({ "item_id": msg_id, "output_index": 0, "content_index": 0, "part": output_text("", &[]) }),
             ),
         ]
     }
@@ -661,9 +705,10 @@ impl Responses {
             return vec![];
         }
         self.streamed.push_str(text);
+        let logprobs = self.take_logprobs();
         vec![self.event(
             "response.output_text.delta",
-            json!({ "item_id": ids(g).1, "output_index": 0, "content_index": 0, "delta": text, "logprobs": [] }),
+            json!({ "item_id": ids(g).1, "output_index": 0, "content_index": 0, "delta": text, "logprobs": logprobs }),
         )]
     }
 
@@ -762,7 +807,9 @@ impl Responses {
         let msg_id = ids(g).1;
         let text = turn.content.as_str();
         let (item_status, status, incomplete) = statuses(finish);
-        let item = message_item(&msg_id, item_status, Some(text));
+        self.take_logprobs();
+        let logprobs = self.text_logprobs.clone();
+        let item = message_item(&msg_id, item_status, Some(text), &logprobs);
         let terminal = match finish {
             FinishReason::Stop | FinishReason::ToolCalls => "response.completed",
             FinishReason::Length | FinishReason::ContextFull | FinishReason::Cancelled => {
@@ -776,7 +823,7 @@ impl Responses {
                 g,
                 self.echo.reasoning_summary.is_some(),
                 item_status,
-                turn,
+                (turn, &logprobs),
                 &self.echo.namespaces,
             ),
             Some(u),
@@ -787,11 +834,11 @@ impl Responses {
         out.extend([
             self.event(
                 "response.output_text.done",
-                json!({ "item_id": msg_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": [] }),
+                json!({ "item_id": msg_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": logprobs }),
             ),
             self.event(
                 "response.content_part.done",
-                json!({ "item_id": msg_id, "output_index": 0, "content_index": 0, "part": output_text(text) }),
+                json!({ "item_id": msg_id, "output_index": 0, "content_index": 0, "part": output_text(text, &logprobs) }),
             ),
             self.event(
                 "response.output_item.done",
@@ -806,7 +853,7 @@ impl Responses {
     /// OpenAI ends a stream that fails after it started.
     fn error_events(&mut self, g: &Gen, message: &str) -> Vec<(&'static str, Value)> {
         let text = self.streamed.clone();
-        let item = message_item(&ids(g).1, "incomplete", Some(&text));
+        let item = message_item(&ids(g).1, "incomplete", Some(&text), &self.text_logprobs);
         let error = json!({ "code": "server_error", "message": message });
         let r = self.object(g, "failed", vec![item], None, Value::Null, error);
         vec![
@@ -837,14 +884,19 @@ impl Dialect for Responses {
         bad_request_response(e)
     }
 
+    fn logprobs(&mut self, l: Vec<Logprobs>) {
+        self.logprobs.extend(l);
+    }
+
     fn complete(&mut self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
         self.remember(g, turn, finish);
         let (item_status, status, incomplete) = statuses(finish);
+        self.take_logprobs();
         let items = output_items(
             g,
             self.echo.reasoning_summary.is_some(),
             item_status,
-            turn,
+            (turn, &self.text_logprobs),
             &self.echo.namespaces,
         );
         self.object(g, status, items, Some(u), incomplete, Value::Null)
@@ -894,6 +946,26 @@ mod tests {
             Input::Messages(m) => m,
             Input::Raw(_) => panic!("raw input"),
         }
+    }
+
+    #[test]
+    fn logprobs_are_asked_by_include_or_top_logprobs() {
+        let lp = |b: &str| parse(b.as_bytes()).unwrap().0.logprobs;
+        assert_eq!(lp(r#"{"input":"x"}"#), None);
+        assert_eq!(
+            lp(r#"{"input":"x","include":["reasoning.encrypted_content"]}"#),
+            None
+        );
+        assert_eq!(
+            lp(r#"{"input":"x","include":["message.output_text.logprobs"]}"#),
+            Some(0)
+        );
+        assert_eq!(
+            lp(r#"{"input":"x","include":["message.output_text.logprobs"],"top_logprobs":3}"#),
+            Some(3)
+        );
+        assert_eq!(lp(r#"{"input":"x","top_logprobs":2}"#), Some(2));
+        assert_eq!(lp(r#"{"input":"x","top_logprobs":0}"#), None);
     }
 
     #[test]
@@ -1117,9 +1189,14 @@ mod tests {
                 "the schema must be a JSON object",
             ),
             (
-                r#"{"input":"x","top_logprobs":3}"#,
+                r#"{"input":"x","top_logprobs":21}"#,
                 "top_logprobs",
-                "logprobs",
+                "top_logprobs must be an integer from 0 to 20",
+            ),
+            (
+                r#"{"input":"x","include":"message.output_text.logprobs"}"#,
+                "include",
+                "include must be an array of strings",
             ),
             (
                 r#"{"input":"x","temperature":3}"#,
