@@ -350,6 +350,14 @@ fn logit_bias_bans_and_forces_tokens() {
         })
         .collect();
     assert_eq!(streamed, piece.repeat(2));
+    // Under a grammar the bias cannot lift the mask: a JSON object still
+    // opens with its brace.
+    let r = chat(
+        json!({ "logit_bias": { forced.to_string(): 100 }, "max_tokens": 4,
+                         "response_format": { "type": "json_object" } }),
+    );
+    let content = r.json()["choices"][0]["message"]["content"].clone();
+    assert!(content.as_str().unwrap().starts_with('{'), "{content}");
     let r = chat(json!({ "logit_bias": { "49152": 1 } }));
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(
