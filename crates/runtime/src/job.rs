@@ -293,8 +293,8 @@ pub struct Logprobs {
 }
 
 /// What the runtime reports for a job, in order: `Started`, any number of
-/// `Text` (each preceded, when the job asks for them, by the `Logprobs` of
-/// the tokens it completes), then `Done` or `Failed`.
+/// `Text` (when the job asks for them, `Logprobs` go just before the text
+/// they complete), then `Done` or `Failed`.
 #[derive(Clone, Debug)]
 pub enum Event {
     /// The prompt and reuse counts (nothing generated or checkpointed yet).
@@ -305,8 +305,10 @@ pub enum Event {
         prefilled: usize,
         total: usize,
     },
-    /// The generated tokens whose text the next `Text` completes (those a
-    /// stop sequence cut off are never sent).
+    /// Generated tokens whose text is now all emitted: with the `Text` that
+    /// follows, or already (a token whose text is empty, the first bytes of
+    /// a character the next token completes, goes with the one before). Those
+    /// a stop sequence removed are never sent.
     Logprobs(Vec<Logprobs>),
     Text(String),
     Done {
