@@ -164,15 +164,32 @@ pub fn argmax(logits: &[f32]) -> u32 {
     (at * LANES + first) as u32
 }
 
+/// The normalizer of a softmax over some logits (their maximum and the log of
+/// their exponentials' sum from it, accumulated in f64): any one logit's
+/// log-probability without writing them all.
+#[derive(Clone, Copy, Debug)]
+pub struct LogNorm {
+    max: f32,
+    lz: f64,
+}
+
+impl LogNorm {
+    pub fn of(logits: &[f32]) -> Self {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let z: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+        LogNorm { max, lz: z.ln() }
+    }
+
+    /// The log-probability of logit `l`.
+    pub fn logprob(&self, l: f32) -> f32 {
+        (f64::from(l - self.max) - self.lz) as f32
+    }
+}
+
 /// `log(softmax(logits))`, accumulated in f64.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let z: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
-    let lz = z.ln();
-    logits
-        .iter()
-        .map(|&l| (f64::from(l - max) - lz) as f32)
-        .collect()
+    let norm = LogNorm::of(logits);
+    logits.iter().map(|&l| norm.logprob(l)).collect()
 }
 
 /// The `k` highest entries as `(id, value)`, best first (lower id first on ties).

@@ -7,6 +7,7 @@
 
 use std::time::Instant;
 
+use ds4_engine::sampler::LogNorm;
 use ds4_engine::tokenizer::StreamDecoder;
 use ds4_engine::{Sampler, Tokenizer};
 use tokio::sync::mpsc;
@@ -53,19 +54,22 @@ struct Scores {
 }
 
 impl Scores {
-    /// Token `id`'s log-probability and the `top` likeliest under `logits`.
+    /// Token `id`'s log-probability and the `top` likeliest under `logits`
+    /// (ranked by logit, as by log-probability; only those are normalized).
     fn of(&self, logits: &[f32], id: u32, tok: &Tokenizer) -> Logprobs {
-        let lp = ds4_engine::sampler::log_softmax(logits);
+        let norm = LogNorm::of(logits);
         let entry = |id: u32| TokenLogprob {
             id,
             bytes: tok.token_piece(id, true).to_vec(),
-            logprob: lp.get(id as usize).copied().unwrap_or(f32::NEG_INFINITY),
+            logprob: logits
+                .get(id as usize)
+                .map_or(f32::NEG_INFINITY, |&l| norm.logprob(l)),
         };
         Logprobs {
             chosen: entry(id),
             top: match self.top {
                 0 => vec![],
-                k => ds4_engine::sampler::top_k(&lp, k)
+                k => ds4_engine::sampler::top_k(logits, k)
                     .into_iter()
                     .map(|(id, _)| entry(id))
                     .collect(),

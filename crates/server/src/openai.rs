@@ -509,13 +509,14 @@ impl OpenAi {
         match self.kind {
             Kind::Chat => json!({ "content": logprob_entries(&given), "refusal": null }),
             Kind::Completion => {
+                let tokens: Vec<String> = given.iter().map(|l| text(&l.chosen)).collect();
                 let mut offsets = Vec::with_capacity(given.len());
-                for l in &given {
+                for t in &tokens {
                     offsets.push(self.sent_chars);
-                    self.sent_chars += text(&l.chosen).chars().count();
+                    self.sent_chars += t.chars().count();
                 }
                 json!({
-                    "tokens": given.iter().map(|l| text(&l.chosen)).collect::<Vec<_>>(),
+                    "tokens": tokens,
                     "token_logprobs": given.iter().map(|l| l.chosen.logprob).collect::<Vec<_>>(),
                     "top_logprobs": given
                         .iter()
