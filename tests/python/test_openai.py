@@ -278,6 +278,34 @@ def test_logprobs(oai):
     assert e.value.body["param"] == "top_logprobs"
 
 
+def test_echo_scores_a_continuation_as_lm_eval_does(oai):
+    """lm-eval's `local-completions` loglikelihood request through the SDK:
+    the context and continuation as token ids, `echo` with `logprobs=1` and
+    one generated token; it sums the continuation's log-probabilities
+    (`token_logprobs[ctxlen:-1]`) and calls it greedy when each is the best of
+    its alternatives. The greedy continuation is greedy and likelier than a
+    wrong one."""
+    ctx = _native(oai, "/tokenize", {"content": "The capital of France is"})["tokens"]
+    greedy = oai.completions.create(model="ds4", prompt=ctx, temperature=0, max_tokens=3)
+    answer = _native(oai, "/tokenize", {"content": greedy.choices[0].text})["tokens"]
+    wrong = _native(oai, "/tokenize", {"content": " a small green frog"})["tokens"]
+
+    def loglikelihood(cont):
+        c = oai.completions.create(
+            model="ds4", prompt=[ctx + cont], temperature=0, max_tokens=1, logprobs=1, echo=True, seed=1234
+        ).choices[0]
+        assert c.text.startswith("The capital of France is")
+        assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) == len(ctx) + len(cont) + 1
+        scored = c.logprobs.token_logprobs[len(ctx) : -1]
+        tops = c.logprobs.top_logprobs[len(ctx) : -1]
+        return sum(scored), all(lp == max(top.values()) for lp, top in zip(scored, tops))
+
+    likely, is_greedy = loglikelihood(answer)
+    unlikely, wrong_is_greedy = loglikelihood(wrong)
+    assert is_greedy and not wrong_is_greedy
+    assert likely > unlikely
+
+
 def test_responses_logprobs(oai):
     """The Responses API's `include` / `top_logprobs`, as the SDK reads them:
     the same tokens as the chat answer to the same question."""

@@ -484,6 +484,7 @@ pub fn chat(a: &ChatArgs) -> Result<()> {
             gate: None,
             turn_save: Some(ds4_kvstore::SaveReason::TurnEnd),
             logprobs: None,
+            prompt_logprobs: None,
             meta: serde_json::Value::Null,
             events: tx,
         };

@@ -67,7 +67,7 @@ pub fn stream(
             },
         };
         match e {
-            Event::Started(_) | Event::Logprobs(_) => {}
+            Event::Started(_) | Event::Logprobs(_) | Event::PromptLogprobs(_) => {}
             Event::Progress { prefilled, total } => {
                 if bar_from.is_some_and(|from| total >= from) {
                     bar.get_or_insert_with(|| prefill_bar(total))

@@ -34,6 +34,33 @@ fn sse_json(body: &str) -> Vec<Value> {
         .collect()
 }
 
+/// A legacy completion's `logprobs` token texts, each checked against its
+/// `text_offset` (characters from the start of the text).
+fn offset_tokens(lp: &Value) -> Vec<&str> {
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    let mut offset = 0;
+    for (i, t) in tokens.iter().enumerate() {
+        assert_eq!(lp["text_offset"][i], offset, "token {i}");
+        offset += t.chars().count();
+    }
+    tokens
+}
+
+/// The `token_logprobs` of a streamed legacy completion's chunks, in order.
+fn streamed_token_logprobs(chunks: &[Value]) -> Vec<Value> {
+    chunks
+        .iter()
+        .map(|c| &c["choices"][0]["logprobs"])
+        .filter(|l| !l.is_null())
+        .flat_map(|l| l["token_logprobs"].as_array().unwrap().clone())
+        .collect()
+}
+
 /// The records of a `--trace` file.
 fn trace_lines(path: &std::path::Path) -> Vec<Value> {
     std::fs::read_to_string(path)
@@ -394,21 +421,13 @@ fn logprobs_cover_the_tokens_of_the_answer() {
         v["choices"][0]["text"].as_str().unwrap(),
         &v["choices"][0]["logprobs"],
     );
-    let tokens: Vec<&str> = lp["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_str().unwrap())
-        .collect();
+    let tokens = offset_tokens(lp);
     assert_eq!(tokens.concat(), text);
     assert_eq!(
         tokens.len() as u64,
         v["usage"]["completion_tokens"].as_u64().unwrap()
     );
-    let mut offset = 0;
     for (i, t) in tokens.iter().enumerate() {
-        assert_eq!(lp["text_offset"][i], offset);
-        offset += t.chars().count();
         let chosen = lp["token_logprobs"][i].as_f64().unwrap();
         let top = lp["top_logprobs"][i].as_object().unwrap();
         assert!(top.len() <= 3 && top.contains_key(*t), "{i}: {top:?}");
@@ -421,12 +440,7 @@ fn logprobs_cover_the_tokens_of_the_answer() {
     // Streamed, the same entries.
     let r = complete(json!({ "stream": true }));
     let chunks = sse_json(&r.body);
-    let streamed: Vec<Value> = chunks
-        .iter()
-        .map(|c| &c["choices"][0]["logprobs"])
-        .filter(|l| !l.is_null())
-        .flat_map(|l| l["token_logprobs"].as_array().unwrap().clone())
-        .collect();
+    let streamed = streamed_token_logprobs(&chunks);
     assert_eq!(streamed, *lp["token_logprobs"].as_array().unwrap());
     // A stop sequence at the second token: only the first is kept.
     let v = complete(json!({ "stop": [tokens[1]] })).json();
@@ -522,6 +536,137 @@ fn logprobs_cover_the_tokens_of_the_answer() {
     }
     let r = complete(json!({ "logprobs": true }));
     assert_eq!(r.status, 400, "{}", r.body);
+}
+
+/// Legacy completions' `echo`, and the prompt given as token ids, as
+/// evaluation harnesses (lm-eval's `local-completions`) send them: the text
+/// starts with the prompt; with `logprobs`, each prompt token after the first
+/// is scored (the first `null`), and an answer's tokens scored as a prompt
+/// get the numbers they had when generated, bit for bit, greedy's the best of
+/// their alternatives; `max_tokens: 0` scores without generating; streamed
+/// alike; ids run as the text they decode to; the refusals.
+#[test]
+fn an_echoed_prompt_is_scored_as_its_answer_was() {
+    let srv = Server::start(&["--no-kv-disk"]);
+    let prompt = "The capital of France is";
+    let complete = |body: Value| {
+        let r = post(
+            srv.port,
+            "/v1/completions",
+            &merged(json!({ "temperature": 0 }), body),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()
+    };
+    let v = complete(json!({ "prompt": prompt, "max_tokens": 6, "logprobs": 1 }));
+    let answer = v["choices"][0]["text"].as_str().unwrap().to_string();
+    let generated = &v["choices"][0]["logprobs"];
+    // Echo alone: the prompt, then the same answer, no log-probabilities.
+    let v = complete(json!({ "prompt": prompt, "max_tokens": 6, "echo": true }));
+    assert_eq!(v["choices"][0]["text"], format!("{prompt}{answer}"));
+    assert!(v["choices"][0]["logprobs"].is_null());
+    // The prompt and its answer scored, nothing generated.
+    let whole = format!("{prompt}{answer}");
+    let v = complete(json!({ "prompt": whole, "max_tokens": 0, "echo": true, "logprobs": 1 }));
+    let c = &v["choices"][0];
+    assert_eq!(c["text"], whole);
+    assert_eq!(c["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 0);
+    let lp = &c["logprobs"];
+    let tokens = offset_tokens(lp);
+    assert_eq!(tokens.concat(), whole);
+    assert_eq!(
+        tokens.len() as u64,
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+    assert!(
+        lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(),
+        "{lp}"
+    );
+    let n = generated["tokens"].as_array().unwrap().len();
+    let tail = |key: &str| lp[key].as_array().unwrap()[tokens.len() - n..].to_vec();
+    assert_eq!(
+        tail("tokens"),
+        *generated["tokens"].as_array().unwrap(),
+        "the answer retokenized differently"
+    );
+    assert_eq!(
+        tail("token_logprobs"),
+        *generated["token_logprobs"].as_array().unwrap()
+    );
+    assert_eq!(
+        tail("top_logprobs"),
+        *generated["top_logprobs"].as_array().unwrap()
+    );
+    for i in 1..tokens.len() {
+        let chosen = lp["token_logprobs"][i].as_f64().unwrap();
+        let best = lp["top_logprobs"][i]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        assert!(chosen <= best, "{i}: {chosen} {best}");
+    }
+    // Streamed: the echo leads the first chunk, the same entries follow.
+    let r = post(
+        srv.port,
+        "/v1/completions",
+        &json!({ "prompt": whole, "max_tokens": 2,
+        "echo": true, "logprobs": 1, "temperature": 0, "stream": true }),
+    );
+    let chunks = sse_json(&r.body);
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert!(
+        chunks[0]["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with(&whole),
+        "{:?}",
+        chunks[0]
+    );
+    assert!(
+        text.starts_with(&whole) && text.len() > whole.len(),
+        "{text}"
+    );
+    let streamed = streamed_token_logprobs(&chunks);
+    assert_eq!(
+        streamed[..tokens.len()],
+        *lp["token_logprobs"].as_array().unwrap()
+    );
+    assert_eq!(streamed.len(), tokens.len() + 2);
+    // Token ids, bare or as a batch of one, answer as their text does.
+    let ids = post(srv.port, "/tokenize", &json!({ "content": prompt })).json()["tokens"].clone();
+    for p in [ids.clone(), json!([ids.clone()])] {
+        let v = complete(json!({ "prompt": p, "max_tokens": 6, "logprobs": 1 }));
+        assert_eq!(v["choices"][0]["text"], answer.as_str());
+        assert_eq!(
+            v["choices"][0]["logprobs"]["token_logprobs"],
+            generated["token_logprobs"]
+        );
+    }
+    let v = complete(json!({ "prompt": ids, "max_tokens": 0, "echo": true }));
+    assert_eq!(v["choices"][0]["text"], prompt);
+    for (bad, param) in [
+        (json!({ "prompt": [1, 4_000_000] }), "prompt"),
+        (json!({ "prompt": [[1], [2]] }), "prompt"),
+        (json!({ "prompt": [1, -2] }), "prompt"),
+        (json!({ "prompt": [] }), "prompt"),
+        (json!({ "prompt": "x", "echo": "yes" }), ""),
+    ] {
+        let r = post(srv.port, "/v1/completions", &bad);
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+        let e = &r.json()["error"];
+        assert!(
+            param.is_empty()
+                || e["param"] == param
+                || e["message"].as_str().unwrap().contains(param),
+            "{bad}: {e}"
+        );
+    }
 }
 
 #[test]

@@ -17,7 +17,7 @@ use ds4_kernels::pool::ThreadPool;
 
 use crate::error::{EngineError, Result};
 use crate::model::Model;
-use crate::models::{LogitsOut, Scratch, SeqStep, Share};
+use crate::models::{Scratch, SeqStep, Share};
 use crate::ops::ATTN_SEG;
 use crate::session::Session;
 use crate::state::{KvState, RowsKey, SeqState};
@@ -119,12 +119,12 @@ impl Batch {
             .iter_mut()
             .zip(shares)
             .map(|((s, tokens), share)| {
-                let (state, scaling, logits) = s.step_parts();
+                let (state, scaling, logits) = s.step_parts(tokens.len());
                 SeqStep {
                     state,
                     tokens,
                     scaling,
-                    logits: LogitsOut::Last(logits),
+                    logits,
                     share,
                 }
             })

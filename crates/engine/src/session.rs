@@ -56,9 +56,16 @@ pub struct Session {
     logits: Vec<f32>,
     has_logits: bool,
     /// Every token's logits of one chunk, for [`prefill_with_logits`](Self::prefill_with_logits)
-    /// (allocated on first use).
+    /// and [`keep_step_logits`](Self::keep_step_logits) (allocated on first use).
     chunk_logits: Vec<f32>,
+    /// See [`keep_step_logits`](Self::keep_step_logits).
+    step_logits: bool,
 }
+
+/// Most tokens a forward step takes while a session keeps every token's
+/// logits: a step's rows of logits are `n_vocab` floats each (Gemma 3's
+/// 262144: 64 MiB for 64 rows, against 256 MiB at the usual 256-token chunk).
+const SCORED_STEP: usize = 64;
 
 impl Session {
     /// A session whose RoPE scaling is the model's request resolved for
@@ -98,6 +105,7 @@ impl Session {
         Session {
             scaling,
             chunk_logits: Vec::new(),
+            step_logits: false,
             state: model.family.new_state(hp, n_ctx, chunk, opts.kv_type),
             scratch: model.family.new_scratch(hp, chunk),
             logits: vec![0.0; hp.n_vocab],
@@ -209,8 +217,8 @@ impl Session {
     ) -> Result<usize> {
         self.check_prefill(tokens)?;
         let mut done = 0;
-        for chunk in tokens.chunks(self.scratch.max_rows()) {
-            self.run_chunk(chunk, false);
+        for chunk in tokens.chunks(self.max_step()) {
+            self.run_chunk(chunk, self.step_logits);
             done += chunk.len();
             if !keep_going(done, tokens.len()) {
                 break;
@@ -248,44 +256,35 @@ impl Session {
         let mut done = 0;
         for chunk in tokens.chunks(self.scratch.max_rows()) {
             self.run_chunk(chunk, true);
-            let rows = &self.chunk_logits;
-            for (i, row) in rows.chunks_exact(n_vocab).enumerate() {
+            for (i, row) in self.chunk_logits.chunks_exact(n_vocab).enumerate() {
                 each(done + i, row);
             }
-            self.logits
-                .copy_from_slice(&rows[(chunk.len() - 1) * n_vocab..]);
             done += chunk.len();
         }
         Ok(())
     }
 
     /// Runs one chunk (at most `prefill_chunk` tokens) after the held tokens:
-    /// the last token's logits into `logits`, or with `all_logits` every
-    /// token's into `chunk_logits`.
+    /// the last token's logits into `logits`, and with `all_logits` every
+    /// token's into `chunk_logits` too.
     fn run_chunk(&mut self, chunk: &[u32], all_logits: bool) {
-        let logits = if all_logits {
-            self.chunk_logits
-                .resize(chunk.len() * self.model.hparams().n_vocab, 0.0);
-            LogitsOut::All(&mut self.chunk_logits)
-        } else {
-            LogitsOut::Last(&mut self.logits)
-        };
+        let (model, pool, precision) = (
+            Arc::clone(&self.model),
+            Arc::clone(&self.pool),
+            self.precision,
+        );
+        let (state, scaling, logits, scratch) = self.parts(chunk.len(), all_logits);
         let mut seqs = [SeqStep {
-            state: &mut *self.state,
+            state,
             tokens: chunk,
-            scaling: self.scaling,
+            scaling,
             logits,
             share: None,
         }];
-        self.model.family.forward(
-            &self.model.weights,
-            &self.pool,
-            self.precision,
-            &mut self.scratch,
-            &mut seqs,
-        );
-        self.tokens.extend_from_slice(chunk);
-        self.has_logits = true;
+        model
+            .family
+            .forward(&model.weights, &pool, precision, scratch, &mut seqs);
+        self.finish_step(chunk, all_logits);
     }
 
     /// The per-sequence state, read-only.
@@ -293,21 +292,81 @@ impl Session {
         &*self.state
     }
 
-    /// What a batched forward call needs of this session: its state, its RoPE
-    /// scaling and where its logits go.
-    pub(crate) fn step_parts(&mut self) -> (&mut dyn SeqState, RopeScaling, &mut [f32]) {
-        (&mut *self.state, self.scaling, &mut self.logits)
+    /// What a batched forward call of `n` tokens needs of this session: its
+    /// state, its RoPE scaling and where its logits go.
+    pub(crate) fn step_parts(
+        &mut self,
+        n: usize,
+    ) -> (&mut dyn SeqState, RopeScaling, LogitsOut<'_>) {
+        let (state, scaling, logits, _) = self.parts(n, self.step_logits);
+        (state, scaling, logits)
     }
 
-    /// Records tokens a batched forward call appended to this session's state.
+    /// A forward pass's parts for `n` tokens: the state, the scaling, the
+    /// logits out (every row into `chunk_logits` with `all`) and the scratch.
+    fn parts(
+        &mut self,
+        n: usize,
+        all: bool,
+    ) -> (&mut dyn SeqState, RopeScaling, LogitsOut<'_>, &mut Scratch) {
+        let logits = match all {
+            true => {
+                self.chunk_logits.resize(n * self.logits.len(), 0.0);
+                LogitsOut::All(&mut self.chunk_logits)
+            }
+            false => LogitsOut::Last(&mut self.logits),
+        };
+        (&mut *self.state, self.scaling, logits, &mut self.scratch)
+    }
+
+    /// Records tokens a batched forward call appended to this session's state
+    /// (with [`keep_step_logits`](Self::keep_step_logits), every row's logits
+    /// are in `chunk_logits`).
     pub(crate) fn appended(&mut self, tokens: &[u32]) {
+        self.finish_step(tokens, self.step_logits);
+    }
+
+    /// Notes `tokens` appended; after a pass that wrote every row (`all`), the
+    /// last row is the next-token logits.
+    fn finish_step(&mut self, tokens: &[u32], all: bool) {
+        if all {
+            let n_vocab = self.logits.len();
+            let last = (tokens.len() - 1) * n_vocab;
+            self.logits
+                .copy_from_slice(&self.chunk_logits[last..last + n_vocab]);
+        }
         self.tokens.extend_from_slice(tokens);
         self.has_logits = true;
     }
 
-    /// Most tokens one forward call may append (the prefill chunk).
+    /// With `on`, every forward step (a prefill chunk, a batched step) keeps
+    /// each of its tokens' next-token logits, [`step_logits`](Self::step_logits),
+    /// and takes at most [`SCORED_STEP`] tokens: how a prompt's own tokens are
+    /// scored while it is prefilled. Off (the default) frees them.
+    pub fn keep_step_logits(&mut self, on: bool) {
+        self.step_logits = on;
+        if !on {
+            self.chunk_logits = Vec::new();
+        }
+    }
+
+    /// The next-token logits of each token the last forward step appended,
+    /// `n_vocab` floats per token, while [`keep_step_logits`](Self::keep_step_logits)
+    /// is on (empty otherwise). Row `i` scores the token after the step's `i`th.
+    pub fn step_logits(&self) -> &[f32] {
+        match self.step_logits {
+            true => &self.chunk_logits,
+            false => &[],
+        }
+    }
+
+    /// Most tokens one forward call may append (the prefill chunk, or fewer
+    /// while [`keep_step_logits`](Self::keep_step_logits) is on).
     pub fn max_step(&self) -> usize {
-        self.state.max_step()
+        match self.step_logits {
+            true => self.state.max_step().min(SCORED_STEP),
+            false => self.state.max_step(),
+        }
     }
 
     /// Feeds one token (sampled or forced) and computes the next logits.

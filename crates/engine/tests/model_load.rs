@@ -6,8 +6,8 @@
 use std::sync::{Arc, OnceLock};
 
 use ds4_engine::{
-    EngineError, KvType, Model, Precision, RopeRequest, RopeScaling, RopeScalingType, Session,
-    SessionOptions, ThreadPool,
+    Batch, EngineError, KvType, Model, Precision, RopeRequest, RopeScaling, RopeScalingType,
+    Session, SessionOptions, ThreadPool,
 };
 use ds4_gguf::{GgmlType, Gguf, GgufWriter, Value};
 use ds4_kernels::{quantize_row, WeightFormat};
@@ -517,19 +517,73 @@ fn rope_scaling_policy_logits_and_fingerprints() {
     }
 }
 
+/// 37 tokens spread over the vocabulary.
+fn scored_prompt() -> Vec<u32> {
+    (0..37).map(|i| (i * 1297 + 11) % N_VOCAB as u32).collect()
+}
+
+/// `prompt` decoded token by token in a fresh session (returned), with the
+/// logits' bits after each token.
+fn decoded_logits(model: &Arc<Model>, prompt: &[u32]) -> (Session, Vec<Vec<u32>>) {
+    let mut one = session_ctx(model, 64, KvType::F16);
+    let want = prompt
+        .iter()
+        .map(|&t| {
+            one.decode_step(t).unwrap();
+            logit_bits(&one)
+        })
+        .collect();
+    (one, want)
+}
+
+/// A session that keeps its steps' logits gets, from batched steps beside
+/// another session, each token's row as token-by-token decoding gives it, bit
+/// for bit, and the last as its next-token logits; its steps are capped; off
+/// again, it keeps none and decodes on.
+#[test]
+fn kept_step_logits_equal_decode_bitwise() {
+    let prompt = scored_prompt();
+    let model = tiny();
+    let (mut one, want) = decoded_logits(&model, &prompt);
+    let mut scored = session_ctx(&model, 64, KvType::F16);
+    let mut other = session_ctx(&model, 64, KvType::F16);
+    other.prefill(&[3, 4]).unwrap();
+    scored.keep_step_logits(true);
+    assert_eq!(scored.max_step(), 16, "the chunk is under the cap");
+    let mut batch = Batch::new(Arc::clone(&model), Arc::clone(scored.pool()), 32);
+    let (mut at, mut got) = (0, Vec::new());
+    while at < prompt.len() {
+        let n = (prompt.len() - at).min(7);
+        let steps = &mut [(&mut scored, &prompt[at..at + n]), (&mut other, &[5][..])];
+        batch.forward(steps).unwrap();
+        let rows = scored.step_logits();
+        assert_eq!(rows.len(), n * N_VOCAB as usize);
+        got.extend(
+            rows.chunks_exact(N_VOCAB as usize)
+                .map(|r| r.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()),
+        );
+        at += n;
+    }
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(g == w, "position {i}");
+    }
+    assert!(logit_bits(&scored) == want[prompt.len() - 1]);
+    scored.keep_step_logits(false);
+    assert!(scored.step_logits().is_empty());
+    scored.decode_step(9).unwrap();
+    one.decode_step(9).unwrap();
+    assert!(logit_bits(&scored) == logit_bits(&one));
+}
+
 /// `prefill_with_logits` gives every position the logits token-by-token
 /// decoding gives there, bit for bit, scaled or not, and leaves the session as
 /// a plain prefill would.
 #[test]
 fn prefill_with_logits_equals_decode_bitwise() {
-    let prompt: Vec<u32> = (0..37).map(|i| (i * 1297 + 11) % N_VOCAB as u32).collect();
+    let prompt = scored_prompt();
     for model in [tiny(), with_request(Some(RopeScalingType::Yarn), Some(4.0))] {
-        let mut want = Vec::new();
-        let mut one = session_ctx(&model, 64, KvType::F16);
-        for &t in &prompt {
-            one.decode_step(t).unwrap();
-            want.push(logit_bits(&one));
-        }
+        let (_, want) = decoded_logits(&model, &prompt);
         let mut all = session_ctx(&model, 64, KvType::F16);
         all.prefill(&prompt[..5]).unwrap();
         let mut got = Vec::new();

@@ -53,30 +53,30 @@ struct Scores {
     decoded: usize,
 }
 
-impl Scores {
-    /// Token `id`'s log-probability and the `top` likeliest under `logits`
-    /// (ranked by logit, as by log-probability; only those are normalized).
-    fn of(&self, logits: &[f32], id: u32, tok: &Tokenizer) -> Logprobs {
-        let norm = LogNorm::of(logits);
-        let entry = |id: u32| TokenLogprob {
-            id,
-            bytes: tok.token_piece(id, true).to_vec(),
-            logprob: logits
-                .get(id as usize)
-                .map_or(f32::NEG_INFINITY, |&l| norm.logprob(l)),
-        };
-        Logprobs {
-            chosen: entry(id),
-            top: match self.top {
-                0 => vec![],
-                k => ds4_engine::sampler::top_k(logits, k)
-                    .into_iter()
-                    .map(|(id, _)| entry(id))
-                    .collect(),
-            },
-        }
+/// Token `id`'s log-probability under `logits` and the `top` likeliest
+/// (ranked by logit, as by log-probability; only those are normalized).
+pub(crate) fn score(logits: &[f32], id: u32, top: usize, tok: &Tokenizer) -> Logprobs {
+    let norm = LogNorm::of(logits);
+    let entry = |id: u32| TokenLogprob {
+        id,
+        bytes: tok.token_piece(id, true).to_vec(),
+        logprob: logits
+            .get(id as usize)
+            .map_or(f32::NEG_INFINITY, |&l| norm.logprob(l)),
+    };
+    Logprobs {
+        chosen: entry(id),
+        top: match top {
+            0 => vec![],
+            k => ds4_engine::sampler::top_k(logits, k)
+                .into_iter()
+                .map(|(id, _)| entry(id))
+                .collect(),
+        },
     }
+}
 
+impl Scores {
     /// Takes the held tokens that `emitted` bytes of output hold: wholly, or
     /// (the output is final) in part.
     fn take(&mut self, emitted: usize, last: bool) -> Vec<Logprobs> {
@@ -137,7 +137,7 @@ impl Generation {
         self.guard.commit(next, piece, tok);
         let text = self.stream.push(piece).to_string();
         if let Some(s) = &mut self.scores {
-            let lp = s.of(logits, next, tok);
+            let lp = score(logits, next, s.top, tok);
             s.held.push((s.decoded..s.decoded + text.len(), lp));
             s.decoded += text.len();
         }

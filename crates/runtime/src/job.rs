@@ -76,6 +76,12 @@ pub struct Job {
     /// Report each generated token's log-probability with this many
     /// alternatives ([`Event::Logprobs`]).
     pub logprobs: Option<usize>,
+    /// Score the prompt's own tokens, each with this many alternatives
+    /// ([`Event::PromptLogprobs`]; legacy completions' `echo` with
+    /// `logprobs`, how evaluation harnesses score a continuation). Every
+    /// token needs the logits before it, so such a job reuses no state:
+    /// its prompt is prefilled whole, in shorter steps, and not saved.
+    pub prompt_logprobs: Option<usize>,
     /// Opaque fields the caller wants in this job's notices (its trace).
     pub meta: serde_json::Value,
     pub events: mpsc::Sender<Event>,
@@ -310,6 +316,10 @@ pub enum Event {
     /// a character the next token completes, goes with the one before). Those
     /// a stop sequence removed are never sent.
     Logprobs(Vec<Logprobs>),
+    /// The prompt's tokens from the second on (the first has nothing before
+    /// it), in order over one or more events, all before the first
+    /// generated token's: for a job with [`Job::prompt_logprobs`].
+    PromptLogprobs(Vec<Logprobs>),
     Text(String),
     Done {
         finish: FinishReason,

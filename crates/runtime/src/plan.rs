@@ -94,6 +94,12 @@ impl Plan {
             weighed: vec![],
         }
     }
+
+    /// All of `ids` to prefill, nothing reused (a job that scores its
+    /// prompt needs every token's logits).
+    pub(crate) fn cold(ids: Vec<u32>) -> Plan {
+        Plan::new(ids, 0, CacheSource::None)
+    }
 }
 
 /// One disk checkpoint the plan considered: what it offered, what loading it

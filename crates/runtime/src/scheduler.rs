@@ -548,6 +548,21 @@ impl Engine {
                 .iter()
                 .filter(|s| s.run.is_none() && s.lent.is_none())
         };
+        let least_valuable = |except: Option<usize>| {
+            idle()
+                .filter(|s| Some(s.id) != except)
+                .min_by_key(|s| (s.session.tokens().len(), s.last_used))
+                .map(|s| s.id)
+        };
+        let at = |slot| Choice {
+            slot,
+            fork_from: None,
+            save_first: false,
+        };
+        if job.prompt_logprobs.is_some() {
+            // It reuses nothing: the slot that holds least.
+            return least_valuable(None).map(at);
+        }
         // What each idle slot holds of the job: (slot, reusable tokens, tokens
         // it holds beyond them), computed once.
         let reuses: Vec<(&Slot, usize, usize)> = idle()
@@ -577,17 +592,6 @@ impl Engine {
         if waits_for_lent || reuses.is_empty() {
             return None;
         }
-        let least_valuable = |except: Option<usize>| {
-            idle()
-                .filter(|s| Some(s.id) != except)
-                .min_by_key(|s| (s.session.tokens().len(), s.last_used))
-                .map(|s| s.id)
-        };
-        let at = |slot| Choice {
-            slot,
-            fork_from: None,
-            save_first: false,
-        };
         let longest = |keep: &dyn Fn(usize, usize) -> bool| {
             reuses
                 .iter()
@@ -675,13 +679,17 @@ impl Engine {
         }
         let saved_before = self.persist.as_ref().map_or(0, Persist::saved_tokens);
         let ids = std::mem::take(&mut job.ids);
-        let plan = plan(
-            slot.id,
-            &mut slot.session,
-            self.persist.as_mut(),
-            &job.prompt,
-            ids,
-        );
+        let scoring = job.prompt_logprobs.is_some();
+        let plan = match scoring {
+            true => Plan::cold(ids),
+            false => plan(
+                slot.id,
+                &mut slot.session,
+                self.persist.as_mut(),
+                &job.prompt,
+                ids,
+            ),
+        };
         if matches!(
             plan.source,
             crate::job::CacheSource::DiskText | crate::job::CacheSource::DiskTextPartial
@@ -734,7 +742,9 @@ impl Engine {
             None => vec![],
         };
         let start = slot.session.tokens().len();
+        slot.session.keep_step_logits(scoring);
         let cuts = match &self.persist {
+            Some(_) if scoring => vec![],
             Some(p) => p.cuts(
                 start,
                 plan.ids.len() - start,
@@ -951,6 +961,11 @@ impl Engine {
         };
         run.prefill_s += elapsed;
         let len = slot.session.tokens().len();
+        if let Some(top) = run.job.prompt_logprobs {
+            if !send_prompt_logprobs(&slot.session, &run.plan.ids, top, &run.job.events) {
+                return self.finish(i, FinishReason::Cancelled, None);
+            }
+        }
         let _ = run.job.events.try_send(Event::Progress {
             prefilled: len - run.plan.reused,
             total: run.plan.ids.len() - run.plan.reused,
@@ -974,13 +989,21 @@ impl Engine {
     /// Slot `i`'s prompt is all in its session: its generation starts with the
     /// first token.
     fn begin_generation(&mut self, i: usize) {
-        let Some(run) = self.slots[i].run.as_deref_mut() else {
+        let slot = &mut self.slots[i];
+        let Some(run) = slot.run.as_deref_mut() else {
             return;
         };
-        if let Some(p) = &mut self.persist {
-            // What this prefill cost is what the next plan weighs a load against.
+        if let Some(p) = self
+            .persist
+            .as_mut()
+            .filter(|_| run.job.prompt_logprobs.is_none())
+        {
+            // What this prefill cost is what the next plan weighs a load
+            // against (a scored prompt's shorter steps and output rows would
+            // overstate it).
             p.note_prefill(run.plan.ids.len() - run.plan.reused, run.prefill_s);
         }
+        slot.session.keep_step_logits(false);
         let job = &mut run.job;
         run.gen = Some(Generation::new(
             Sampler::new(job.sampling.clone()),
@@ -1099,7 +1122,11 @@ impl Engine {
         } else {
             finish
         };
-        let turn_save = run.job.turn_save;
+        // A scored prompt is one of many an evaluation sends: not kept.
+        let turn_save = run
+            .job
+            .turn_save
+            .filter(|_| run.job.prompt_logprobs.is_none());
         let saved_turn = error.is_none() && final_reason != FinishReason::Cancelled;
         (self.notices)(Notice::Finished(Box::new(Finished {
             job: run.job.id,
@@ -1205,6 +1232,28 @@ impl Engine {
 }
 
 /// Adds affinity keys to a slot, forgetting its oldest past [`MAX_SLOT_KEYS`].
+/// The log-probabilities of the prompt tokens that `session`'s last step
+/// scored (each row scores the token after it; the first token has none and
+/// the last row's is the first generated one), with `top` alternatives; false
+/// when the client is gone.
+fn send_prompt_logprobs(
+    session: &Session,
+    ids: &[u32],
+    top: usize,
+    events: &tokio::sync::mpsc::Sender<Event>,
+) -> bool {
+    let tok = &session.model().tokenizer;
+    let n_vocab = session.model().hparams().n_vocab;
+    let rows = session.step_logits();
+    let first = session.tokens().len() - rows.len() / n_vocab;
+    let scored: Vec<_> = rows
+        .chunks_exact(n_vocab)
+        .zip(ids.get(first + 1..).unwrap_or_default())
+        .map(|(row, &id)| crate::generation::score(row, id, top, tok))
+        .collect();
+    scored.is_empty() || events.blocking_send(Event::PromptLogprobs(scored)).is_ok()
+}
+
 fn remember_keys(slot: &mut Slot, keys: Vec<String>) {
     for k in keys {
         if !slot.keys.contains(&k) {

@@ -334,6 +334,75 @@ fn a_long_prefill_yields_to_a_decoding_slot() {
     }
 }
 
+/// A job that scores its prompt gets the log-probability of every token
+/// after the first, bit for bit what a lone session's all-logits prefill
+/// gives, with its alternatives, all before its first token; prefilled in the
+/// lane beside a decoding slot, in capped steps. It takes the slot that holds
+/// least, so a conversation it does not continue keeps its state, and it
+/// answers as the plain job does.
+#[test]
+fn a_scored_prompt_gets_each_token_logprob_and_leaves_other_conversations_alone() {
+    let prompt = chat(&"The keeper counted the waves breaking on the rocks. ".repeat(14));
+    let ids = model().tokenizer.encode(&prompt, true, true);
+    assert!(ids.len() > 130, "{}", ids.len());
+    let mut want = Vec::new();
+    let mut alone = sessions(1, &Arc::new(ThreadPool::new(2))).remove(0);
+    alone
+        .prefill_with_logits(&ids, |i, row| {
+            if let Some(&next) = ids.get(i + 1) {
+                let norm = ds4_engine::sampler::LogNorm::of(row);
+                want.push(norm.logprob(row[next as usize]).to_bits());
+            }
+        })
+        .unwrap();
+    let rt = Rt::start(3, None, RuntimeConfig::default());
+    let story = chat("Tell me a short story about a lighthouse keeper and his cat.");
+    let (told, _, u_story) = collect(rt.submit(&story, 12, &[]));
+    let mut busy = rt.submit(&chat("Name three colors."), 48, &[]);
+    first_text(&mut busy);
+    let (mut job, mut rx) = greedy_job(&prompt, ids.clone(), 4, &[], vec![]);
+    job.prompt_logprobs = Some(3);
+    rt.rt.as_ref().unwrap().handle.submit(job).unwrap();
+    let (mut got, mut text, mut usage) = (Vec::new(), String::new(), None);
+    while let Some(e) = rx.blocking_recv() {
+        match e {
+            Event::PromptLogprobs(l) => {
+                assert!(text.is_empty(), "a prompt score after the answer began");
+                got.extend(l);
+            }
+            Event::Text(t) => text.push_str(&t),
+            Event::Done { usage: u, .. } => usage = Some(u),
+            Event::Failed(e) => panic!("{e}"),
+            _ => {}
+        }
+    }
+    let usage = usage.unwrap();
+    assert_eq!(usage.cached_tokens, 0);
+    assert_ne!(usage.slot, u_story.slot, "it took the story's slot");
+    assert_eq!(got.len(), ids.len() - 1);
+    for (i, l) in got.iter().enumerate() {
+        assert_eq!(l.chosen.id, ids[i + 1], "token {}", i + 1);
+        assert_eq!(l.chosen.logprob.to_bits(), want[i], "token {}", i + 1);
+        assert_eq!(l.top.len(), 3);
+        assert!(l.top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
+        assert!(l.chosen.logprob <= l.top[0].logprob);
+    }
+    collect(busy);
+    let (plain, _, _) = collect(rt.submit(&prompt, 4, &[]));
+    assert_eq!(text, plain);
+    let next = format!(
+        "{story}{told}<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let (_, _, u) = collect(rt.submit(&next, 2, &[]));
+    assert_eq!(u.slot, u_story.slot);
+    assert!(
+        u.cached_tokens > 20,
+        "{:?} {}",
+        u.cache_source,
+        u.cached_tokens
+    );
+}
+
 /// A client that leaves while its prompt is in the prefill lane: the slot
 /// gets its session back, ends the job, and serves the same prompt next
 /// exactly as a fresh run does (from what the lane had prefilled).

@@ -210,6 +210,7 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
         stream: b.stream.unwrap_or(false),
         include_usage: false,
         logprobs: None,
+        echo: false,
         agent,
     })
 }

@@ -28,6 +28,9 @@ pub struct Request {
     /// Each generated token's log-probability with this many alternatives
     /// (OpenAI `logprobs` / `top_logprobs`).
     pub logprobs: Option<usize>,
+    /// Legacy completions' `echo`: the answer starts with the prompt, and
+    /// with `logprobs` the prompt's tokens are scored too.
+    pub echo: bool,
     pub agent: AgentOptions,
 }
 
@@ -118,6 +121,8 @@ pub enum Input {
     Messages(Vec<Message>),
     /// A raw prompt (legacy completions).
     Raw(String),
+    /// A legacy completion's prompt as token ids, run as given.
+    Tokens(Vec<u32>),
 }
 
 /// A request the server refuses (400), with the parameter at fault.
@@ -313,6 +318,10 @@ pub trait Dialect: Send + Sync + 'static {
     /// them), given before the text they make: the dialect puts them in its
     /// next chunk, or in the whole body. Dialects without them pass them over.
     fn logprobs(&mut self, _l: Vec<ds4_runtime::Logprobs>) {}
+    /// The prompt's text, to start the answer with (legacy completions'
+    /// `echo`), and when its tokens are scored, the text of its first, which
+    /// nothing scores (the others come as [`logprobs`](Self::logprobs)).
+    fn echo(&mut self, _prompt: &str, _unscored_first: Option<Vec<u8>>) {}
     /// The non-streaming response body.
     fn complete(&mut self, g: &Gen, turn: &Turn, finish: FinishReason, usage: &Usage) -> Value;
     /// Events before the first piece (`started` has the prompt and cached counts).

@@ -90,6 +90,7 @@ struct CompletionBody {
     #[serde(flatten)]
     common: Common,
     prompt: Option<Value>,
+    echo: Option<bool>,
 }
 
 pub(crate) fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, BadRequest> {
@@ -277,6 +278,7 @@ fn common(c: Common, kind: Kind) -> Result<Request, BadRequest> {
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
         logprobs,
+        echo: false,
         agent,
     })
 }
@@ -415,25 +417,37 @@ pub fn parse_completion(body: &[u8]) -> Result<Request, BadRequest> {
             Some("tools"),
         ));
     }
-    let prompt = match b.prompt {
-        Some(Value::String(s)) => s,
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
-            a[0].as_str().unwrap_or_default().to_string()
-        }
-        Some(Value::Array(_)) => {
-            return Err(BadRequest::new(
-                "prompt must be one string (batches are not supported)",
-                Some("prompt"),
-            ))
-        }
-        None => return Err(BadRequest::new("missing `prompt`", Some("prompt"))),
-        Some(_) => return Err(BadRequest::new("prompt must be a string", Some("prompt"))),
-    };
-    if prompt.is_empty() {
-        return Err(BadRequest::new("prompt is empty", Some("prompt")));
-    }
-    p.input = Input::Raw(prompt);
+    p.input = completion_prompt(b.prompt)?;
+    p.echo = b.echo.unwrap_or(false);
     Ok(p)
+}
+
+/// A completion's prompt: a string or a list of token ids, alone or as the
+/// one element of a list (a list of several is a batch: not supported).
+fn completion_prompt(v: Option<Value>) -> Result<Input, BadRequest> {
+    let bad = |m: &str| BadRequest::new(m, Some("prompt"));
+    let one = match v {
+        None | Some(Value::Null) => return Err(bad("missing `prompt`")),
+        Some(Value::Array(a)) if a.first().is_some_and(|x| x.is_string() || x.is_array()) => {
+            let [one] = <[Value; 1]>::try_from(a).map_err(|_| {
+                bad("prompt must be one string or one list of token ids (batches are not supported)")
+            })?;
+            one
+        }
+        Some(v) => v,
+    };
+    match one {
+        Value::String(s) if s.is_empty() => Err(bad("prompt is empty")),
+        Value::String(s) => Ok(Input::Raw(s)),
+        Value::Array(a) if a.is_empty() => Err(bad("prompt is empty")),
+        Value::Array(a) => a
+            .iter()
+            .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()))
+            .collect::<Option<Vec<u32>>>()
+            .map(Input::Tokens)
+            .ok_or_else(|| bad("prompt token ids must be integers from 0 up")),
+        _ => Err(bad("prompt must be a string or a list of token ids")),
+    }
 }
 
 pub fn usage_json(u: &Usage) -> Value {
@@ -460,6 +474,11 @@ pub struct OpenAi {
     /// Characters of the token texts already sent (a completion chunk's
     /// `text_offset` counts from the start of the output).
     sent_chars: usize,
+    /// The prompt, not yet sent, that the output starts with (`echo`).
+    echo: Option<String>,
+    /// The text of the prompt's first token, not yet sent, when the prompt
+    /// is scored: its log-probability is `null`.
+    unscored_first: Option<Vec<u8>>,
 }
 
 impl OpenAi {
@@ -468,6 +487,16 @@ impl OpenAi {
             kind,
             logprobs: Vec::new(),
             sent_chars: 0,
+            echo: None,
+            unscored_first: None,
+        }
+    }
+
+    /// The text the output goes on with: the echoed prompt first.
+    fn text_after_echo(&mut self, text: &str) -> String {
+        match self.echo.take() {
+            Some(prompt) => prompt + text,
+            None => text.to_string(),
         }
     }
 
@@ -490,6 +519,7 @@ impl OpenAi {
             }
             Kind::Completion => {
                 let text = delta.get("content").and_then(Value::as_str).unwrap_or("");
+                let text = self.text_after_echo(text);
                 json!({ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish })
             }
         };
@@ -500,30 +530,39 @@ impl OpenAi {
     /// shape (`null` when there are none): chat's `content` list of tokens
     /// with their bytes and alternatives, or the legacy completion's parallel
     /// lists with each token's character offset in the output.
+    /// The first prompt token of an echo with scores (see
+    /// [`Dialect::echo`]) has a `null` log-probability and no alternatives.
     fn take_logprobs(&mut self) -> Value {
-        if self.logprobs.is_empty() {
+        if self.logprobs.is_empty() && self.unscored_first.is_none() {
             return Value::Null;
         }
         let given = std::mem::take(&mut self.logprobs);
-        let text = |t: &TokenLogprob| String::from_utf8_lossy(&t.bytes).into_owned();
+        let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
         match self.kind {
             Kind::Chat => json!({ "content": logprob_entries(&given), "refusal": null }),
             Kind::Completion => {
-                let tokens: Vec<String> = given.iter().map(|l| text(&l.chosen)).collect();
-                let mut offsets = Vec::with_capacity(given.len());
-                for t in &tokens {
+                let first = self
+                    .unscored_first
+                    .take()
+                    .map(|b| (text(&b), Value::Null, Value::Null));
+                let scored = given.iter().map(|l| {
+                    let top = l.top.iter().map(|t| (text(&t.bytes), json!(t.logprob)));
+                    (
+                        text(&l.chosen.bytes),
+                        json!(l.chosen.logprob),
+                        Value::Object(top.collect()),
+                    )
+                });
+                let (mut tokens, mut logprobs, mut tops, mut offsets) =
+                    (vec![], vec![], vec![], vec![]);
+                for (token, logprob, top) in first.into_iter().chain(scored) {
                     offsets.push(self.sent_chars);
-                    self.sent_chars += t.chars().count();
+                    self.sent_chars += token.chars().count();
+                    tokens.push(token);
+                    logprobs.push(logprob);
+                    tops.push(top);
                 }
-                json!({
-                    "tokens": tokens,
-                    "token_logprobs": given.iter().map(|l| l.chosen.logprob).collect::<Vec<_>>(),
-                    "top_logprobs": given
-                        .iter()
-                        .map(|l| l.top.iter().map(|t| (text(t), json!(t.logprob))).collect())
-                        .collect::<Vec<serde_json::Map<String, Value>>>(),
-                    "text_offset": offsets,
-                })
+                json!({ "tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets })
             }
         }
     }
@@ -605,6 +644,11 @@ impl Dialect for OpenAi {
         self.logprobs.extend(l);
     }
 
+    fn echo(&mut self, prompt: &str, unscored_first: Option<Vec<u8>>) {
+        self.echo = Some(prompt.to_string());
+        self.unscored_first = unscored_first;
+    }
+
     fn complete(&mut self, g: &Gen, turn: &Turn, finish: FinishReason, u: &Usage) -> Value {
         let logprobs = self.take_logprobs();
         let choice = match self.kind {
@@ -622,7 +666,8 @@ impl Dialect for OpenAi {
                 json!({ "index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish.as_str() })
             }
             Kind::Completion => {
-                json!({ "index": 0, "text": turn.content, "logprobs": logprobs, "finish_reason": finish.as_str() })
+                let text = self.text_after_echo(&turn.content);
+                json!({ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish.as_str() })
             }
         };
         json!({ "id": g.id, "object": self.object(false), "created": g.created, "model": g.model,
@@ -770,11 +815,77 @@ mod tests {
     }
 
     #[test]
-    fn completions_take_one_prompt() {
+    fn completions_take_one_prompt_of_text_or_token_ids() {
         let p = parse_completion(br#"{"prompt":["Once"],"max_tokens":3}"#).unwrap();
         assert!(matches!(p.input, Input::Raw(ref s) if s == "Once"));
-        assert!(parse_completion(br#"{"prompt":["a","b"]}"#).is_err());
-        assert!(parse_completion(br#"{"prompt":""}"#).is_err());
+        assert!(!p.echo);
+        for ids in [r#"[1,2,4294967295]"#, r#"[[1,2,4294967295]]"#] {
+            let p =
+                parse_completion(format!(r#"{{"prompt":{ids},"echo":true}}"#).as_bytes()).unwrap();
+            assert!(matches!(p.input, Input::Tokens(ref t) if t == &[1, 2, u32::MAX]));
+            assert!(p.echo);
+        }
+        for bad in [
+            r#""""#,
+            r#"["a","b"]"#,
+            r#"[[1],[2]]"#,
+            r#"[]"#,
+            r#"[[]]"#,
+            r#"[1,-2]"#,
+            r#"[1.5]"#,
+            r#"[4294967296]"#,
+            r#"[["a"]]"#,
+            r#"[null]"#,
+            r#"{"a":1}"#,
+            r#"null"#,
+        ] {
+            let e = parse_completion(format!(r#"{{"prompt":{bad}}}"#).as_bytes()).unwrap_err();
+            assert_eq!(e.param, Some("prompt"), "{bad}: {e:?}");
+        }
+        assert!(parse_completion(br#"{"prompt":"x","echo":1}"#).is_err());
+    }
+
+    #[test]
+    fn an_echo_leads_the_text_and_its_first_token_is_unscored() {
+        let g = Gen {
+            id: "cmpl-1".into(),
+            created: 0,
+            model: "m".into(),
+        };
+        let scored = |id: u32, text: &str, logprob: f32| Logprobs {
+            chosen: TokenLogprob {
+                id,
+                bytes: text.into(),
+                logprob,
+            },
+            top: vec![TokenLogprob {
+                id: 9,
+                bytes: "z".into(),
+                logprob: -0.5,
+            }],
+        };
+        let mut d = OpenAi::new(Kind::Completion);
+        d.echo("ab", Some(b"a".to_vec()));
+        d.logprobs(vec![scored(2, "b", -1.0)]);
+        d.logprobs(vec![scored(3, "c", -2.0)]);
+        let c = d.chunk(&g, json!({ "content": "c" }), None);
+        let choice = &c["choices"][0];
+        assert_eq!(choice["text"], "abc");
+        assert_eq!(choice["logprobs"]["tokens"], json!(["a", "b", "c"]));
+        assert_eq!(
+            choice["logprobs"]["token_logprobs"],
+            json!([null, -1.0, -2.0])
+        );
+        assert_eq!(
+            choice["logprobs"]["top_logprobs"],
+            json!([null, {"z": -0.5}, {"z": -0.5}])
+        );
+        assert_eq!(choice["logprobs"]["text_offset"], json!([0, 1, 2]));
+        // Once: the next chunk carries neither again.
+        d.logprobs(vec![scored(4, "d", -3.0)]);
+        let c = d.chunk(&g, json!({ "content": "d" }), None);
+        assert_eq!(c["choices"][0]["text"], "d");
+        assert_eq!(c["choices"][0]["logprobs"]["text_offset"], json!([3]));
     }
 
     #[test]

@@ -57,18 +57,31 @@ pub(crate) fn prepare(st: &AppState, p: &mut Request, id: &str) -> Result<Prepar
             "logit_bias: token {t} is outside the vocabulary ({n_vocab} tokens)"
         )));
     }
+    if let Input::Tokens(ids) = &p.input {
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= n_vocab) {
+            return Err(Refusal::Invalid(format!(
+                "prompt: token {id} is outside the vocabulary ({n_vocab} tokens)"
+            )));
+        }
+    }
     let r = render(st, p).map_err(|m| Refusal::Invalid(m.into()))?;
     let limit = TokenLimit::of(p.max_tokens, st.cfg.default_max_tokens);
     let n_ctx = st.cfg.n_ctx;
     let tok = &st.model.tokenizer;
-    let at_least = tok.min_tokens(r.prompt.as_str());
-    limit.allowed(at_least, n_ctx).map_err(|o| {
-        Refusal::Overflow(Overflow {
-            at_least: true,
-            ..o
-        })
-    })?;
-    let ids = encode_prompt(tok, &r.prompt);
+    let ids = match &mut p.input {
+        // Token ids are run as given (the text is what they decode to).
+        Input::Tokens(ids) => std::mem::take(ids),
+        _ => {
+            let at_least = tok.min_tokens(r.prompt.as_str());
+            limit.allowed(at_least, n_ctx).map_err(|o| {
+                Refusal::Overflow(Overflow {
+                    at_least: true,
+                    ..o
+                })
+            })?;
+            encode_prompt(tok, &r.prompt)
+        }
+    };
     limit.allowed(ids.len(), n_ctx).map_err(Refusal::Overflow)?;
     let gate = match r.grammar {
         Some(plan) => compile(st, id, plan).map_err(Refusal::Schema)?,
@@ -128,24 +141,30 @@ pub(crate) struct Rendered {
     pub grammar: Option<GrammarPlan>,
 }
 
+/// A raw prompt: the client's own markup, its special-token texts control
+/// tokens (docs/API.md).
+fn raw(text: &str, agent: &crate::dialect::AgentOptions) -> Rendered {
+    let mut prompt = Prompt::new();
+    prompt.markup(text);
+    Rendered {
+        prompt,
+        parser: None,
+        forced: None,
+        think: ThinkMode::None,
+        replay: ReplayStats::default(),
+        breakpoints: vec![],
+        grammar: json_plan(agent),
+    }
+}
+
 /// Renders a request: a raw prompt as is, messages (normalised, with remembered
 /// tool-call text attached) with the model's chat template.
 fn render(st: &AppState, p: &mut Request) -> Result<Rendered, &'static str> {
     let (messages, t) = match (&mut p.input, &st.template) {
-        (Input::Raw(s), _) => {
-            // A raw prompt is the client's own markup: its special-token texts
-            // are control tokens (docs/API.md).
-            let mut prompt = Prompt::new();
-            prompt.markup(s);
-            return Ok(Rendered {
-                prompt,
-                parser: None,
-                forced: None,
-                think: ThinkMode::None,
-                replay: ReplayStats::default(),
-                breakpoints: vec![],
-                grammar: json_plan(&p.agent),
-            });
+        (Input::Raw(s), _) => return Ok(raw(s, &p.agent)),
+        (Input::Tokens(ids), _) => {
+            let text = st.model.tokenizer.prompt_text(ids);
+            return Ok(raw(&String::from_utf8_lossy(&text), &p.agent));
         }
         (Input::Messages(m), Some(t)) => (m, t),
         (Input::Messages(_), None) => {

@@ -103,6 +103,12 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, mut d: Box<dyn Dialect>) 
             Box::new(move || crate::tooling::random_id(prefix)),
         )
     };
+    let scored = p.echo && p.logprobs.is_some();
+    if p.echo {
+        let first = r.ids.first().filter(|_| scored);
+        let first = first.map(|&id| st.model.tokenizer.prompt_piece(0, id).to_vec());
+        d.echo(&r.prompt, first);
+    }
     let (tx, mut rx) = mpsc::channel(256);
     let job = Job {
         id: id.clone(),
@@ -117,6 +123,7 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, mut d: Box<dyn Dialect>) 
         gate: r.gate,
         turn_save: Some(ds4_kvstore::SaveReason::TurnEnd),
         logprobs: p.logprobs,
+        prompt_logprobs: p.logprobs.filter(|_| scored),
         meta: json!({ "tool_replay": { "exact": r.replay.exact, "canonical": r.replay.canonical } }),
         events: tx,
     };
@@ -151,7 +158,7 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, mut d: Box<dyn Dialect>) 
         while let Some(ev) = rx.recv().await {
             match ev {
                 Event::Started(_) | Event::Progress { .. } => {}
-                Event::Logprobs(l) => d.logprobs(l),
+                Event::Logprobs(l) | Event::PromptLogprobs(l) => d.logprobs(l),
                 Event::Text(t) => {
                     shaper.push(&t);
                 }
@@ -196,7 +203,7 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, mut d: Box<dyn Dialect>) 
             let (mut rx, mut shaper, mut d) = state?;
             let out = match rx.recv().await {
                 Some(Event::Progress { .. }) => return Some((vec![], Some((rx, shaper, d)))),
-                Some(Event::Logprobs(l)) => {
+                Some(Event::Logprobs(l) | Event::PromptLogprobs(l)) => {
                     d.logprobs(l);
                     return Some((vec![], Some((rx, shaper, d))));
                 }

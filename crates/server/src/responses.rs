@@ -274,6 +274,7 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         stream: b.stream.unwrap_or(false),
         include_usage: true,
         logprobs,
+        echo: false,
         agent,
     };
     let mut dialect = Responses::new(echo);
@@ -944,7 +945,7 @@ mod tests {
     fn messages(p: &Request) -> &[Message] {
         match &p.input {
             Input::Messages(m) => m,
-            Input::Raw(_) => panic!("raw input"),
+            Input::Raw(_) | Input::Tokens(_) => panic!("raw input"),
         }
     }
 

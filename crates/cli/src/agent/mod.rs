@@ -364,6 +364,7 @@ impl<'a> Agent<'a> {
             gate,
             turn_save: save,
             logprobs: None,
+            prompt_logprobs: None,
             meta: serde_json::Value::Null,
             events: tx,
         };

@@ -187,6 +187,7 @@ fn submit(
         gate: None,
         turn_save: Some(ds4_kvstore::SaveReason::TurnEnd),
         logprobs: None,
+        prompt_logprobs: None,
         meta: serde_json::Value::Null,
         events: tx,
     })
@@ -227,7 +228,7 @@ fn follow(
                     break;
                 }
             }
-            Event::Progress { .. } | Event::Logprobs(_) => {}
+            Event::Progress { .. } | Event::Logprobs(_) | Event::PromptLogprobs(_) => {}
             Event::Failed(e) => bail!("client {client}: {e}"),
         }
     }

@@ -34,6 +34,7 @@ pub fn greedy_job(
         gate: None,
         turn_save: None,
         logprobs: None,
+        prompt_logprobs: None,
         meta: serde_json::Value::Null,
         events: tx,
     };
@@ -48,7 +49,10 @@ pub fn collect(mut rx: mpsc::Receiver<Event>) -> (String, FinishReason, Usage) {
             Event::Text(t) => text.push_str(&t),
             Event::Done { finish, usage } => return (text, finish, usage),
             Event::Failed(e) => panic!("job failed: {e}"),
-            Event::Started(_) | Event::Progress { .. } | Event::Logprobs(_) => {}
+            Event::Started(_)
+            | Event::Progress { .. }
+            | Event::Logprobs(_)
+            | Event::PromptLogprobs(_) => {}
         }
     }
     panic!("no Done event")
