@@ -200,7 +200,7 @@ def test_chat_stream_splits_no_multibyte_character(oai):
 def test_unsupported_options_are_sdk_errors(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(
-            model="ds4", messages=[{"role": "user", "content": "hi"}], n=2
+            model="ds4", messages=[{"role": "user", "content": "hi"}], n=17
         )
     assert e.value.status_code == 400
     assert e.value.body["param"] == "n"
@@ -304,6 +304,36 @@ def test_echo_scores_a_continuation_as_lm_eval_does(oai):
     unlikely, wrong_is_greedy = loglikelihood(wrong)
     assert is_greedy and not wrong_is_greedy
     assert likely > unlikely
+
+
+def test_several_choices(oai):
+    """`n` and a batch of prompts as the SDK sends them: the choices in order,
+    each what its prompt (choice j: the seed plus j) gives alone, streamed
+    alike by index."""
+    prompts = ["The capital of France is", "Once upon a time"]
+    batch = oai.completions.create(model="ds4", prompt=prompts, temperature=0, max_tokens=5)
+    assert [c.index for c in batch.choices] == [0, 1]
+    for p, c in zip(prompts, batch.choices):
+        alone = oai.completions.create(model="ds4", prompt=p, temperature=0, max_tokens=5)
+        assert c.text == alone.choices[0].text
+
+    def sample(**kw):
+        return oai.chat.completions.create(
+            model="ds4",
+            messages=[{"role": "user", "content": "Name an animal."}],
+            temperature=1.0,
+            max_tokens=8,
+            **kw,
+        )
+
+    r = sample(n=2, seed=5)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[1].message.content == sample(seed=6).choices[0].message.content
+    texts = ["", ""]
+    for chunk in sample(n=2, seed=5, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in r.choices]
 
 
 def test_responses_logprobs(oai):

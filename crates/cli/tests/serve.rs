@@ -239,10 +239,10 @@ fn bad_requests_get_precise_errors_and_the_server_keeps_serving() {
             post(
                 p,
                 "/v1/chat/completions",
-                &json!({"messages": [{"content": "x"}], "n": 3}),
+                &json!({"messages": [{"content": "x"}], "n": 17}),
             ),
             400,
-            "n = 1",
+            "n must be from 1 to 16",
         ),
         (
             post(
@@ -652,7 +652,7 @@ fn an_echoed_prompt_is_scored_as_its_answer_was() {
     assert_eq!(v["choices"][0]["text"], prompt);
     for (bad, param) in [
         (json!({ "prompt": [1, 4_000_000] }), "prompt"),
-        (json!({ "prompt": [[1], [2]] }), "prompt"),
+        (json!({ "prompt": [[1], [2, 4_000_000]] }), "prompt"),
         (json!({ "prompt": [1, -2] }), "prompt"),
         (json!({ "prompt": [] }), "prompt"),
         (json!({ "prompt": "x", "echo": "yes" }), ""),
@@ -666,6 +666,131 @@ fn an_echoed_prompt_is_scored_as_its_answer_was() {
                 || e["message"].as_str().unwrap().contains(param),
             "{bad}: {e}"
         );
+    }
+}
+
+/// OpenAI `n` and a legacy completion's batch of prompts: each choice is its
+/// own job, in order by `index`, and is what its prompt gives alone (choice
+/// `j` with the request's seed plus `j`); a batch larger than the queue waits
+/// for its own jobs; usage counts each prompt once and every completion;
+/// streamed, each chunk carries its choice's index and one usage chunk and
+/// one `[DONE]` end them; a batch scored with `echo` (lm-eval's batches)
+/// gives each prompt's numbers alone.
+#[test]
+fn several_choices_come_from_their_own_jobs() {
+    let srv = Server::start(&["--no-kv-disk", "--batched-session", "2", "--queue-max", "1"]);
+    let post_ok = |path: &str, body: Value| {
+        let r = post(srv.port, path, &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()
+    };
+    let prompts = [
+        "The capital of France is",
+        "Once upon a time",
+        "1, 2, 3,",
+        "The sky is",
+        "Water boils at",
+    ];
+    let complete = |prompt: Value, extra: Value| {
+        let base = json!({ "prompt": prompt, "max_tokens": 5, "temperature": 0 });
+        post_ok("/v1/completions", merged(base, extra))
+    };
+    let alone: Vec<Value> = prompts
+        .iter()
+        .map(|p| complete(json!(p), json!({})))
+        .collect();
+    let v = complete(json!(prompts), json!({}));
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), prompts.len());
+    for (k, (c, a)) in choices.iter().zip(&alone).enumerate() {
+        assert_eq!(c["index"], k);
+        assert_eq!(c["text"], a["choices"][0]["text"], "prompt {k}");
+    }
+    let sum = |key: &str| {
+        alone
+            .iter()
+            .map(|a| a["usage"][key].as_u64().unwrap())
+            .sum::<u64>()
+    };
+    assert_eq!(v["usage"]["prompt_tokens"], sum("prompt_tokens"));
+    assert_eq!(v["usage"]["completion_tokens"], sum("completion_tokens"));
+    // `n` with a seed: choice j is the request alone with seed + j.
+    let chat = |extra: Value| {
+        let q = json!([{ "role": "user", "content": "Name an animal." }]);
+        let base = chat_body(q, json!({ "temperature": 1.0, "max_tokens": 8 }));
+        post_ok("/v1/chat/completions", merged(base, extra))
+    };
+    let v = chat(json!({ "n": 3, "seed": 11 }));
+    let texts: Vec<&Value> = (0..3)
+        .map(|j| &v["choices"][j]["message"]["content"])
+        .collect();
+    let mut completion = 0;
+    for (j, text) in texts.iter().enumerate() {
+        assert_eq!(v["choices"][j]["index"], j);
+        let one = chat(json!({ "seed": 11 + j }));
+        assert_eq!(
+            *text, &one["choices"][0]["message"]["content"],
+            "choice {j}"
+        );
+        assert_eq!(v["usage"]["prompt_tokens"], one["usage"]["prompt_tokens"]);
+        completion += one["usage"]["completion_tokens"].as_u64().unwrap();
+    }
+    assert_eq!(v["usage"]["completion_tokens"], completion);
+    assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
+    // Streamed: the same texts by index, one usage chunk, one [DONE].
+    let body = json!({ "prompt": &prompts[..2], "max_tokens": 5, "temperature": 0,
+                       "stream": true, "stream_options": { "include_usage": true } });
+    let r = post(srv.port, "/v1/completions", &body);
+    let raw = sse_data(&r.body);
+    assert_eq!(raw.iter().filter(|d| *d == "[DONE]").count(), 1);
+    assert_eq!(raw.last().map(String::as_str), Some("[DONE]"));
+    let chunks = sse_json(&r.body);
+    for (k, a) in alone[..2].iter().enumerate() {
+        let mine: Vec<&Value> = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == k)
+            .collect();
+        let text: String = mine
+            .iter()
+            .filter_map(|c| c["choices"][0]["text"].as_str())
+            .collect();
+        assert_eq!(
+            text,
+            a["choices"][0]["text"].as_str().unwrap(),
+            "prompt {k}"
+        );
+        let finishes = mine
+            .iter()
+            .filter(|c| !c["choices"][0]["finish_reason"].is_null());
+        assert_eq!(finishes.count(), 1, "prompt {k}");
+    }
+    let usage: Vec<&Value> = chunks.iter().filter(|c| c["usage"].is_object()).collect();
+    assert_eq!(usage.len(), 1);
+    assert_eq!(
+        usage[0]["usage"]["completion_tokens"].as_u64().unwrap(),
+        alone[..2]
+            .iter()
+            .map(|a| a["usage"]["completion_tokens"].as_u64().unwrap())
+            .sum::<u64>()
+    );
+    // lm-eval's batch of scored prompts: each as it is scored alone.
+    let scored = json!({ "max_tokens": 1, "echo": true, "logprobs": 1 });
+    let both = complete(json!(&prompts[..2]), scored.clone());
+    for k in 0..2 {
+        let one = complete(json!(prompts[k]), scored.clone());
+        assert_eq!(
+            both["choices"][k]["logprobs"], one["choices"][0]["logprobs"],
+            "prompt {k}"
+        );
+    }
+    // Too many choices, or one prompt refused: the request is refused.
+    for bad in [
+        json!({ "prompt": "x", "n": 17 }),
+        json!({ "prompt": vec!["x"; 65], "n": 2 }),
+        json!({ "prompt": ["x", [1, 4_000_000]] }),
+    ] {
+        let r = post(srv.port, "/v1/completions", &bad);
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
     }
 }
 

@@ -139,21 +139,30 @@ pub struct RuntimeHandle {
 impl RuntimeHandle {
     /// Queues `job`; its events arrive on its channel.
     pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        self.try_submit(job).map_err(|(e, _)| e)
+    }
+
+    /// Like [`submit`](Self::submit), but a job not queued comes back with
+    /// the reason, to be submitted again later (a request's several choices
+    /// wait for their own to finish when the queue is full).
+    pub fn try_submit(&self, job: Job) -> Result<(), (SubmitError, Box<Job>)> {
         if self.shared.stopping.load(Ordering::Acquire) {
-            return Err(SubmitError::ShuttingDown);
+            return Err((SubmitError::ShuttingDown, Box::new(job)));
         }
         let taken = self.shared.depth.fetch_add(1, Ordering::AcqRel);
         if taken >= self.shared.capacity {
             self.shared.depth.fetch_sub(1, Ordering::AcqRel);
-            return Err(SubmitError::QueueFull);
+            return Err((SubmitError::QueueFull, Box::new(job)));
         }
         match self.tx.try_send((job, Instant::now())) {
             Ok(()) => Ok(()),
             Err(e) => {
                 self.shared.depth.fetch_sub(1, Ordering::AcqRel);
                 Err(match e {
-                    mpsc::TrySendError::Full(_) => SubmitError::QueueFull,
-                    mpsc::TrySendError::Disconnected(_) => SubmitError::ShuttingDown,
+                    mpsc::TrySendError::Full((job, _)) => (SubmitError::QueueFull, Box::new(job)),
+                    mpsc::TrySendError::Disconnected((job, _)) => {
+                        (SubmitError::ShuttingDown, Box::new(job))
+                    }
                 })
             }
         }

@@ -123,6 +123,7 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
         n => n.map(|n| n as usize),
     };
     let sampling = b.sampling.config(1.0)?;
+    b.sampling.choices(1)?;
     let stop = b.stop_sequences.unwrap_or_default();
     if stop.iter().any(String::is_empty) {
         return Err(BadRequest::new(
@@ -211,6 +212,8 @@ fn parse(body: &[u8], need_max_tokens: bool) -> Result<Request, BadRequest> {
         include_usage: false,
         logprobs: None,
         echo: false,
+        n: 1,
+        batch: vec![],
         agent,
     })
 }

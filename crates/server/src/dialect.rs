@@ -14,7 +14,7 @@ use ds4_chat::turn::{Piece, Turn};
 use ds4_runtime::{FinishReason, Overflow, Usage};
 
 /// A request in the engine's terms.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Request {
     /// The `model` the client asked for, echoed back; `None` echoes the served one.
     pub model: Option<String>,
@@ -31,6 +31,11 @@ pub struct Request {
     /// Legacy completions' `echo`: the answer starts with the prompt, and
     /// with `logprobs` the prompt's tokens are scored too.
     pub echo: bool,
+    /// Choices per prompt (OpenAI `n`), each sampled with its own seed.
+    pub n: usize,
+    /// A legacy completion's further prompts (a batch), each answered as its
+    /// own choices after `input`'s.
+    pub batch: Vec<Input>,
     pub agent: AgentOptions,
 }
 
@@ -115,7 +120,7 @@ pub fn json_format(v: Option<&Value>, param: &'static str) -> Result<Option<Valu
     }
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub enum Input {
     /// A conversation, rendered with the model's chat template.
     Messages(Vec<Message>),
@@ -165,7 +170,8 @@ pub struct Gen {
 /// The sampling fields, read and checked the same way on every route (each
 /// dialect's body flattens this in): `temperature` (0 to the dialect's
 /// maximum: Anthropic's API stops at 1, OpenAI's at 2), `top_p` in (0, 1],
-/// `top_k`, `min_p` in [0, 1], `seed` (an unsigned integer) and `n` (only 1).
+/// `top_k`, `min_p` in [0, 1], `seed` (an unsigned integer) and `n` (up to
+/// the dialect's most: 1 but on OpenAI's chat and completions).
 #[derive(Debug, Default, serde::Deserialize)]
 pub struct SamplingFields {
     temperature: Option<f32>,
@@ -192,9 +198,6 @@ impl SamplingFields {
     /// The server's defaults with the request's fields applied; the seed is
     /// the clock's when the request gives none.
     pub fn config(&self, max_temperature: f32) -> Result<SamplerConfig, BadRequest> {
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(BadRequest::new("only n = 1 is supported", Some("n")));
-        }
         let mut s = default_sampling();
         if let Some(t) = self.temperature {
             if !(0.0..=max_temperature).contains(&t) {
@@ -222,6 +225,19 @@ impl SamplingFields {
         }
         s.seed = self.seed.unwrap_or_else(clock_seed);
         Ok(s)
+    }
+
+    /// `n`: choices per prompt, 1 when absent, at most `max`.
+    pub fn choices(&self, max: usize) -> Result<usize, BadRequest> {
+        match self.n.map(|n| usize::try_from(n).unwrap_or(usize::MAX)) {
+            None => Ok(1),
+            Some(n) if (1..=max).contains(&n) => Ok(n),
+            Some(_) if max == 1 => Err(BadRequest::new("only n = 1 is supported", Some("n"))),
+            Some(_) => Err(BadRequest::new(
+                format!("n must be from 1 to {max}"),
+                Some("n"),
+            )),
+        }
     }
 }
 

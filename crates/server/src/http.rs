@@ -203,7 +203,7 @@ mod tests {
         for (route, parse) in routes {
             for (extra, names) in [
                 (r#","min_p":5"#, "min_p"),
-                (r#","n":2"#, "n"),
+                (r#","n":17"#, "n"),
                 (r#","top_p":0"#, "top_p"),
                 (r#","seed":1e30"#, "seed"),
                 (r#","seed":-1"#, "seed"),

@@ -2,6 +2,8 @@
 //! Requests are parsed into a [`Request`]; responses and SSE chunks are built in
 //! OpenAI's shapes, usage included.
 
+mod choices;
+
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -193,8 +195,14 @@ fn logprobs(kind: Kind, c: &Common) -> Result<Option<usize>, BadRequest> {
     }
 }
 
+/// Most choices one request asks for (`n`, per prompt).
+const MAX_N: usize = 16;
+/// Most choices one request gets in all (a completion's prompts times `n`).
+const MAX_CHOICES: usize = 128;
+
 fn common(c: Common, kind: Kind) -> Result<Request, BadRequest> {
     let mut sampling = c.sampling.config(2.0)?;
+    let n = c.sampling.choices(MAX_N)?;
     sampling.logit_bias = logit_bias(c.logit_bias.as_ref())?;
     let logprobs = logprobs(kind, &c)?;
     if c.audio.as_ref().is_some_and(|v| !v.is_null()) {
@@ -279,6 +287,8 @@ fn common(c: Common, kind: Kind) -> Result<Request, BadRequest> {
             .unwrap_or(false),
         logprobs,
         echo: false,
+        n,
+        batch: vec![],
         agent,
     })
 }
@@ -417,26 +427,38 @@ pub fn parse_completion(body: &[u8]) -> Result<Request, BadRequest> {
             Some("tools"),
         ));
     }
-    p.input = completion_prompt(b.prompt)?;
+    let mut prompts = completion_prompts(b.prompt)?.into_iter();
+    p.input = prompts
+        .next()
+        .ok_or_else(|| BadRequest::new("prompt is empty", Some("prompt")))?;
+    p.batch = prompts.collect();
+    if (p.batch.len() + 1) * p.n > MAX_CHOICES {
+        return Err(BadRequest::new(
+            format!("at most {MAX_CHOICES} choices per request (prompts times n)"),
+            Some("prompt"),
+        ));
+    }
     p.echo = b.echo.unwrap_or(false);
     Ok(p)
 }
 
-/// A completion's prompt: a string or a list of token ids, alone or as the
-/// one element of a list (a list of several is a batch: not supported).
-fn completion_prompt(v: Option<Value>) -> Result<Input, BadRequest> {
+/// A completion's prompts: a string or a list of token ids, or a list of
+/// those (a batch, each prompt its own choices).
+fn completion_prompts(v: Option<Value>) -> Result<Vec<Input>, BadRequest> {
     let bad = |m: &str| BadRequest::new(m, Some("prompt"));
-    let one = match v {
-        None | Some(Value::Null) => return Err(bad("missing `prompt`")),
+    match v {
+        None | Some(Value::Null) => Err(bad("missing `prompt`")),
         Some(Value::Array(a)) if a.first().is_some_and(|x| x.is_string() || x.is_array()) => {
-            let [one] = <[Value; 1]>::try_from(a).map_err(|_| {
-                bad("prompt must be one string or one list of token ids (batches are not supported)")
-            })?;
-            one
+            a.into_iter().map(one_prompt).collect()
         }
-        Some(v) => v,
-    };
-    match one {
+        Some(v) => Ok(vec![one_prompt(v)?]),
+    }
+}
+
+/// One prompt of a completion: a string or a list of token ids.
+fn one_prompt(v: Value) -> Result<Input, BadRequest> {
+    let bad = |m: &str| BadRequest::new(m, Some("prompt"));
+    match v {
         Value::String(s) if s.is_empty() => Err(bad("prompt is empty")),
         Value::String(s) => Ok(Input::Raw(s)),
         Value::Array(a) if a.is_empty() => Err(bad("prompt is empty")),
@@ -446,7 +468,9 @@ fn completion_prompt(v: Option<Value>) -> Result<Input, BadRequest> {
             .collect::<Option<Vec<u32>>>()
             .map(Input::Tokens)
             .ok_or_else(|| bad("prompt token ids must be integers from 0 up")),
-        _ => Err(bad("prompt must be a string or a list of token ids")),
+        _ => Err(bad(
+            "prompt must be a string or a list of token ids, or a list of those",
+        )),
     }
 }
 
@@ -719,6 +743,7 @@ impl Dialect for OpenAi {
 pub(crate) async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let d: Box<dyn Dialect> = Box::new(OpenAi::new(Kind::Chat));
     match cpu(&st, move |_| parse_chat(&body)).await {
+        Ok(p) if p.n > 1 => choices::run(st, p, Kind::Chat).await,
         Ok(p) => run(st, p, d).await,
         Err(e) => d.bad_request(e),
     }
@@ -728,6 +753,7 @@ pub(crate) async fn chat_completions(State(st): State<Arc<AppState>>, body: Byte
 pub(crate) async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let d: Box<dyn Dialect> = Box::new(OpenAi::new(Kind::Completion));
     match cpu(&st, move |_| parse_completion(&body)).await {
+        Ok(p) if p.n > 1 || !p.batch.is_empty() => choices::run(st, p, Kind::Completion).await,
         Ok(p) => run(st, p, d).await,
         Err(e) => d.bad_request(e),
     }
@@ -770,8 +796,8 @@ mod tests {
         assert!(bad(r#"{"messages":[{"role":"wizard","content":"x"}]}"#)
             .contains("unknown role \"wizard\""));
         assert_eq!(
-            bad(r#"{"messages":[{"content":"x"}],"n":2}"#),
-            "only n = 1 is supported"
+            bad(r#"{"messages":[{"content":"x"}],"n":17}"#),
+            "n must be from 1 to 16"
         );
         for (bias, why) in [
             (r#"{"x":1}"#, r#""x" is not a token id"#),
@@ -823,12 +849,25 @@ mod tests {
             let p =
                 parse_completion(format!(r#"{{"prompt":{ids},"echo":true}}"#).as_bytes()).unwrap();
             assert!(matches!(p.input, Input::Tokens(ref t) if t == &[1, 2, u32::MAX]));
-            assert!(p.echo);
+            assert!(p.echo && p.batch.is_empty() && p.n == 1);
         }
+        // A batch: the first prompt and the rest, text and ids mixed.
+        let p = parse_completion(br#"{"prompt":["a",[7],"b"],"n":2}"#).unwrap();
+        assert!(matches!(p.input, Input::Raw(ref s) if s == "a"));
+        assert!(
+            matches!(p.batch[..], [Input::Tokens(ref t), Input::Raw(ref s)] if t == &[7] && s == "b")
+        );
+        assert_eq!(p.n, 2);
+        let many = format!(r#"{{"prompt":[{}],"n":2}}"#, vec![r#""a""#; 65].join(","));
+        assert_eq!(
+            parse_completion(many.as_bytes()).unwrap_err().param,
+            Some("prompt")
+        );
         for bad in [
             r#""""#,
-            r#"["a","b"]"#,
-            r#"[[1],[2]]"#,
+            r#"["a",""]"#,
+            r#"[[1],[]]"#,
+            r#"["a",[-1]]"#,
             r#"[]"#,
             r#"[[]]"#,
             r#"[1,-2]"#,

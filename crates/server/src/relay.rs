@@ -41,7 +41,7 @@ pub(crate) fn refuse(d: &dyn Dialect, r: Refusal) -> Response {
 }
 
 /// The error response a job failure turns into, in the dialect's shape.
-fn job_error(d: &dyn Dialect, e: &JobError) -> Response {
+pub(crate) fn job_error(d: &dyn Dialect, e: &JobError) -> Response {
     let (status, kind) = match e {
         JobError::ContextLength(o) => {
             return d.error(
@@ -57,30 +57,36 @@ fn job_error(d: &dyn Dialect, e: &JobError) -> Response {
     d.error(status, &e.to_string(), kind)
 }
 
-/// Runs a parsed request of any dialect: renders the prompt, queues the job and
-/// answers in the dialect's JSON or SSE shape.
-pub(crate) async fn run(st: Arc<AppState>, p: Request, mut d: Box<dyn Dialect>) -> Response {
-    // Random, not a per-process counter: ids do not reveal how many requests
-    // the server has served, nor repeat after a restart.
-    let id = crate::tooling::random_id(&format!("{}-", d.id_prefix()));
-    let job_id = id.clone();
-    let (p, prepared) = cpu(&st, move |st| {
+/// A request's job, ready to submit, with what reads its events back.
+pub(crate) struct Queued {
+    pub job: Job,
+    pub rx: mpsc::Receiver<Event>,
+    pub shaper: Shaper,
+}
+
+/// Renders and tokenizes `p` off the async threads and builds its job (named
+/// `id`), telling `d` what the answer starts with; a refusal is the response.
+pub(crate) async fn queue(
+    st: &Arc<AppState>,
+    p: Request,
+    d: &mut dyn Dialect,
+    id: &str,
+) -> Result<(Request, Queued), Response> {
+    let job_id = id.to_string();
+    let (p, prepared) = cpu(st, move |st| {
         let mut p = p;
         let r = prepare(st, &mut p, &job_id);
         (p, r)
     })
     .await;
-    let r = match prepared {
-        Ok(r) => r,
-        Err(refusal) => return refuse(d.as_ref(), refusal),
-    };
+    let r = prepared.map_err(|refusal| refuse(d, refusal))?;
     if p.logprobs.is_some() && (r.think != ThinkMode::None || r.parser.is_some()) {
         // The tokens would be those of the thinking and the calls' markup
         // too, which the answer's content does not show.
-        return d.bad_request(crate::dialect::BadRequest::new(
+        return Err(d.bad_request(crate::dialect::BadRequest::new(
             "logprobs are only given for plain answers: not with tools or thinking",
             Some("logprobs"),
-        ));
+        )));
     }
     let mut sampling = p.sampling.clone();
     if r.think != ThinkMode::None {
@@ -109,9 +115,9 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, mut d: Box<dyn Dialect>) 
         let first = first.map(|&id| st.model.tokenizer.prompt_piece(0, id).to_vec());
         d.echo(&r.prompt, first);
     }
-    let (tx, mut rx) = mpsc::channel(256);
+    let (tx, rx) = mpsc::channel(256);
     let job = Job {
-        id: id.clone(),
+        id: id.to_string(),
         route: ROUTE.try_with(Clone::clone).unwrap_or_default(),
         prompt: r.prompt,
         ids: r.ids,
@@ -127,9 +133,13 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, mut d: Box<dyn Dialect>) 
         meta: json!({ "tool_replay": { "exact": r.replay.exact, "canonical": r.replay.canonical } }),
         events: tx,
     };
-    match st.runtime.submit(job) {
-        Ok(()) => {}
-        Err(SubmitError::QueueFull) => {
+    Ok((p, Queued { job, rx, shaper }))
+}
+
+/// The 503 a job the runtime did not take gets.
+pub(crate) fn not_queued(d: &dyn Dialect, e: SubmitError) -> Response {
+    match e {
+        SubmitError::QueueFull => {
             let mut r = d.error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the request queue is full (--queue-max); retry shortly",
@@ -137,21 +147,45 @@ pub(crate) async fn run(st: Arc<AppState>, p: Request, mut d: Box<dyn Dialect>) 
             );
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-            return r;
+            r
         }
-        Err(SubmitError::ShuttingDown) => {
-            return d.error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "server shutting down",
-                ErrorKind::Overloaded,
-            )
-        }
+        SubmitError::ShuttingDown => d.error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server shutting down",
+            ErrorKind::Overloaded,
+        ),
     }
-    let g = Arc::new(Gen {
-        id,
+}
+
+/// A response's identity: a random id (not a per-process counter: ids do not
+/// reveal how many requests the server has served, nor repeat after a
+/// restart), the time, the model named.
+pub(crate) fn identity(st: &AppState, d: &dyn Dialect, p: &Request) -> Gen {
+    Gen {
+        id: crate::tooling::random_id(&format!("{}-", d.id_prefix())),
         created: now(),
         model: p.model.clone().unwrap_or_else(|| st.cfg.model_name.clone()),
-    });
+    }
+}
+
+/// Runs a parsed request of any dialect: renders the prompt, queues the job and
+/// answers in the dialect's JSON or SSE shape.
+pub(crate) async fn run(st: Arc<AppState>, p: Request, mut d: Box<dyn Dialect>) -> Response {
+    let g = Arc::new(identity(&st, d.as_ref(), &p));
+    let (
+        p,
+        Queued {
+            job,
+            mut rx,
+            shaper,
+        },
+    ) = match queue(&st, p, d.as_mut(), &g.id).await {
+        Ok(q) => q,
+        Err(r) => return r,
+    };
+    if let Err(e) = st.runtime.submit(job) {
+        return not_queued(d.as_ref(), e);
+    }
 
     if !p.stream {
         let mut shaper = shaper;
@@ -256,7 +290,7 @@ fn affinity(p: &Request) -> Vec<String> {
 
 /// A job the runtime ended early (the server is stopping) reads as one cut at
 /// its limit: the dialects have no word for a cancellation.
-fn cut_short(finish: FinishReason) -> FinishReason {
+pub(crate) fn cut_short(finish: FinishReason) -> FinishReason {
     match finish {
         FinishReason::Cancelled => FinishReason::Length,
         f => f,
@@ -266,7 +300,7 @@ fn cut_short(finish: FinishReason) -> FinishReason {
 /// Bookkeeping at the end of a turn: notes a call that degraded to text,
 /// remembers the exact text of its tool calls, and returns the finish reason the
 /// client sees.
-fn end_turn(
+pub(crate) fn end_turn(
     st: &AppState,
     g: &Gen,
     turn: &Turn,
@@ -296,7 +330,7 @@ fn end_turn(
     FinishReason::ToolCalls
 }
 
-fn sse(
+pub(crate) fn sse(
     events: impl Stream<Item = Result<SseEvent, Infallible>> + Send + 'static,
 ) -> impl IntoResponse {
     Sse::new(events).keep_alive(
@@ -311,7 +345,7 @@ fn sse(
 /// operators, and when a candidate offered more than was reused, where the prompt diverged from
 /// it (`; candidate=memory; offered=K; diverge_byte=B; diverge_token=T;
 /// prompt_bytes="..."; candidate_bytes="..."`, escaped to ASCII).
-fn cache_header(r: &mut Response, u: &Usage) {
+pub(crate) fn cache_header(r: &mut Response, u: &Usage) {
     let mut v = format!(
         "{}; reused={}; prompt={}",
         u.cache_source.as_str(),

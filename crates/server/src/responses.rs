@@ -214,6 +214,7 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
     let logprobs = logprobs(b.top_logprobs, b.include.as_ref())?;
 
     let sampling = b.sampling.config(2.0)?;
+    b.sampling.choices(1)?;
     if b.max_output_tokens == Some(0) {
         return Err(bad(
             "max_output_tokens must be at least 1",
@@ -275,6 +276,8 @@ pub fn parse(body: &[u8]) -> Result<(Request, Responses), BadRequest> {
         include_usage: true,
         logprobs,
         echo: false,
+        n: 1,
+        batch: vec![],
         agent,
     };
     let mut dialect = Responses::new(echo);
