@@ -277,9 +277,9 @@ fn dialects() -> Vec<Dialect> {
             path: "/v1/completions",
             shape: Shape::OpenAi,
             refusals: vec![
-                with(&completion, json!({"prompt": ["a", "b"]})),
+                with(&completion, json!({"prompt": ["a", ""]})),
                 with(&completion, json!({"prompt": [1, 99_999_999]})),
-                with(&completion, json!({"prompt": [[1], [2]]})),
+                with(&completion, json!({"prompt": [[1], [2, 99_999_999]]})),
                 with(&completion, json!({"prompt": [1.5]})),
                 with(&completion, json!({"prompt": [[]]})),
                 with(&completion, json!({"prompt": []})),
