@@ -551,6 +551,11 @@ impl Engine {
     ///    back itself, saved first;
     /// 4. the least valuable one: empty first, then the fewest tokens, the
     ///    longest idle.
+    ///
+    /// Before those: a job that scores its prompt takes the least valuable
+    /// one; a job sharing more with a prompt being prefilled than any idle
+    /// slot holds waits for it, then forks from it (see the loop below); a
+    /// job sharing more with a conversation being saved waits for it.
     fn choose(&self, job: &Job) -> Option<Choice> {
         let idle = || {
             self.slots
@@ -588,13 +593,34 @@ impl Engine {
         // reply), or that carries its keys, waits for it rather than
         // starting elsewhere from less.
         let idle_best = reuses.iter().map(|&(_, r, _)| r).max().unwrap_or(0);
+        // A prompt another job is prefilling now, of which this one shares
+        // more than any idle slot holds (a request's several choices, agents
+        // sent out together with one system prompt and tool list): it waits
+        // for that prefill rather than paying for the shared part again
+        // beside it — when the wait is no longer than what it saves — and
+        // starts from a copy of it the moment it is done.
+        for s in self.slots.iter().filter(|s| s.lent.is_none()) {
+            let Some(r) = &s.run else { continue };
+            let shared = shared_prefix(&r.plan.ids, &job.ids);
+            if shared < worth || shared <= idle_best {
+                continue;
+            }
+            let held = s.session.tokens().len();
+            let just_prefilled = s.in_lane.is_none() && r.gen.is_some() && held == r.plan.ids.len();
+            if just_prefilled {
+                return least_valuable(None).map(|slot| Choice {
+                    slot,
+                    fork_from: Some(s.id),
+                    save_first: false,
+                });
+            }
+            if r.gen.is_none() && r.plan.ids.len() - held <= shared {
+                return None;
+            }
+        }
         let waits_for_lent = self.slots.iter().any(|s| {
             s.lent.as_ref().is_some_and(|(tokens, _)| {
-                let shared = tokens
-                    .iter()
-                    .zip(&job.ids)
-                    .take_while(|(a, b)| a == b)
-                    .count();
+                let shared = shared_prefix(tokens, &job.ids);
                 shared >= worth && shared > idle_best
             }) || (s.lent.is_some() && job.affinity.iter().any(|k| s.keys.contains(k)))
         });
@@ -1261,6 +1287,11 @@ fn send_prompt_logprobs(
         .map(|(row, &id)| crate::generation::score(row, id, top, tok))
         .collect();
     scored.is_empty() || events.blocking_send(Event::PromptLogprobs(scored)).is_ok()
+}
+
+/// Tokens `a` and `b` begin with alike.
+fn shared_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 fn remember_keys(slot: &mut Slot, keys: Vec<String>) {

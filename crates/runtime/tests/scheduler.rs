@@ -403,6 +403,51 @@ fn a_scored_prompt_gets_each_token_logprob_and_leaves_other_conversations_alone(
     );
 }
 
+/// Jobs that arrive while another prefills a prompt they share (a request's
+/// several choices, agents sent out together with one system prompt) wait for
+/// that prefill and start from a copy of it: the same prompt reuses all of it,
+/// one that goes on differently reuses the shared part; each answers as it
+/// does alone.
+#[test]
+fn jobs_sharing_a_prompt_being_prefilled_start_from_a_copy_of_it() {
+    let story = "The harbour was quiet that night, and the keeper watched the sea. ".repeat(60);
+    let same = chat(&story);
+    let other = chat(&format!("{story}Then a ship appeared."));
+    let solo: Vec<String> = {
+        let rt = Rt::start(1, None, RuntimeConfig::default());
+        [&same, &other]
+            .iter()
+            .map(|p| collect(rt.submit(p, 6, &[])).0)
+            .collect()
+    };
+    let rt = Rt::start(3, None, RuntimeConfig::default());
+    let rxs = [
+        rt.submit(&same, 6, &[]),
+        rt.submit(&same, 6, &[]),
+        rt.submit(&other, 6, &[]),
+    ];
+    let [a, b, c] = rxs.map(collect);
+    assert_eq!(a.0, solo[0]);
+    assert_eq!(b.0, solo[0]);
+    assert_eq!(c.0, solo[1]);
+    assert_eq!(a.2.cached_tokens, 0);
+    assert!(a.2.prompt_tokens > 800, "{}", a.2.prompt_tokens);
+    assert_eq!(
+        b.2.cached_tokens, b.2.prompt_tokens,
+        "{:?}",
+        b.2.cache_source
+    );
+    assert!(
+        c.2.cached_tokens > 800,
+        "{:?} {}",
+        c.2.cache_source,
+        c.2.cached_tokens
+    );
+    let mut slots = [a.2.slot, b.2.slot, c.2.slot];
+    slots.sort();
+    assert_eq!(slots, [0, 1, 2]);
+}
+
 /// A client that leaves while its prompt is in the prefill lane: the slot
 /// gets its session back, ends the job, and serves the same prompt next
 /// exactly as a fresh run does (from what the lane had prefilled).
