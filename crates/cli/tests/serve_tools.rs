@@ -107,6 +107,40 @@ fn a_resent_tool_call_keeps_the_live_prefix_only_with_exact_replay() {
     assert!(cache.contains(&format!("offered={turn1}")), "{cache}");
 }
 
+/// `n` choices of a forced call: each its own call with its own id (greedy:
+/// the same arguments), and resending the second one's call continues that
+/// choice's live state, exactly replayed.
+#[test]
+fn each_choice_carries_its_own_call_and_a_resent_one_continues_its_state() {
+    let srv = Server::start(&["--no-kv-disk"]);
+    let r = post(
+        srv.port,
+        "/v1/chat/completions",
+        &json!({ "messages": [user()], "tools": tools(), "temperature": 0, "max_tokens": 48, "n": 2,
+                 "tool_choice": { "type": "function", "function": { "name": "get_weather" } } }),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let calls: Vec<&Value> = (0..2)
+        .map(|k| {
+            let choice = &v["choices"][k];
+            assert_eq!(choice["index"], k);
+            assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+            &choice["message"]["tool_calls"][0]
+        })
+        .collect();
+    assert_ne!(calls[0]["id"], calls[1]["id"]);
+    assert_eq!(calls[0]["function"], calls[1]["function"]);
+    let turn1 = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    let r = resend(srv.port, calls[1]);
+    let cache = r.header("x-ds4-cache").unwrap();
+    assert!(cache.starts_with("memory-"), "{cache}");
+    let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > turn1, "reused {cached}: {cache}");
+}
+
 #[test]
 fn anthropic_and_responses_stream_forced_calls_as_their_own_events() {
     let srv = Server::start(&["--no-kv-disk"]);
