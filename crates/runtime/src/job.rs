@@ -79,8 +79,10 @@ pub struct Job {
     /// Score the prompt's own tokens, each with this many alternatives
     /// ([`Event::PromptLogprobs`]; legacy completions' `echo` with
     /// `logprobs`, how evaluation harnesses score a continuation). Every
-    /// token needs the logits before it, so such a job reuses no state:
-    /// its prompt is prefilled whole, in shorter steps, and not saved.
+    /// token needs the logits before it, so such a job reuses only what a
+    /// slot's last scored prompt shares with it (those tokens' scores are
+    /// kept with the slot); the rest is prefilled in shorter steps, and the
+    /// prompt is not saved.
     pub prompt_logprobs: Option<usize>,
     /// Opaque fields the caller wants in this job's notices (its trace).
     pub meta: serde_json::Value,

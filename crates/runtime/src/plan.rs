@@ -95,10 +95,15 @@ impl Plan {
         }
     }
 
-    /// All of `ids` to prefill, nothing reused (a job that scores its
-    /// prompt needs every token's logits).
-    pub(crate) fn cold(ids: Vec<u32>) -> Plan {
-        Plan::new(ids, 0, CacheSource::None)
+    /// A job that scores its prompt: every token needs the logits before
+    /// it, so only the `reused` tokens a slot's scored record covers (and
+    /// its live state holds) are kept; the rest is prefilled.
+    pub(crate) fn scored(ids: Vec<u32>, reused: usize) -> Plan {
+        let source = match reused {
+            0 => CacheSource::None,
+            _ => CacheSource::MemoryToken,
+        };
+        Plan::new(ids, reused, source)
     }
 }
 

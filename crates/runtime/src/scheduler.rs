@@ -26,7 +26,7 @@ use ds4_engine::{Batch, EngineError, Sampler, Session, ThreadPool};
 use ds4_kvstore::SaveReason;
 
 use crate::generation::{Generation, Next};
-use crate::job::{Event, FinishReason, Job, JobError, SubmitError, Usage};
+use crate::job::{Event, FinishReason, Job, JobError, Logprobs, SubmitError, Usage};
 use crate::lane::{Chunk, Lane, Prefilled, Taken};
 use crate::notice::{Finished, Notice, NoticeSink, Planned};
 use crate::persist::{Persist, StoreUsage};
@@ -273,6 +273,7 @@ impl Runtime {
                 keys: VecDeque::new(),
                 frontier: 0,
                 last_used: now,
+                scored: ScoredPrompt::default(),
             })
             .collect();
         let thread = std::thread::Builder::new()
@@ -339,6 +340,39 @@ struct Slot {
     /// The session's last continued-save frontier.
     frontier: usize,
     last_used: Instant,
+    /// The log-probabilities of the last prompt scored here.
+    scored: ScoredPrompt,
+}
+
+/// A scored prompt's tokens and the log-probabilities of those after the
+/// first (entry `i` is token `i + 1`'s, given the tokens before it), with
+/// `top` alternatives each. They depend on nothing but the tokens, so they
+/// serve any later prompt that shares a prefix with both them and the
+/// session's state, whatever ran on the slot in between: a harness scoring
+/// several continuations of one context prefills the context once.
+#[derive(Default)]
+struct ScoredPrompt {
+    tokens: Vec<u32>,
+    top: usize,
+    entries: Vec<Logprobs>,
+}
+
+impl ScoredPrompt {
+    /// How many of `ids` a scoring job with `top` alternatives can take from
+    /// `session`'s state and this record: tokens both begin with, that the
+    /// record scored (all of them but the last), where the state can be cut.
+    fn reusable(&self, session: &Session, ids: &[u32], top: usize) -> usize {
+        if self.top < top {
+            return 0;
+        }
+        let k = shared_prefix(session.tokens(), ids)
+            .min(shared_prefix(&self.tokens, ids))
+            .min(self.entries.len() + 1);
+        match k >= 2 && session.can_rewind(k) {
+            true => k,
+            false => 0,
+        }
+    }
 }
 
 /// A job on a slot.
@@ -573,9 +607,17 @@ impl Engine {
             fork_from: None,
             save_first: false,
         };
-        if job.prompt_logprobs.is_some() {
-            // It reuses nothing: the slot that holds least.
-            return least_valuable(None).map(at);
+        if let Some(top) = job.prompt_logprobs {
+            // The slot whose scored prompt serves the most of it, else the
+            // one that holds least.
+            let best = idle()
+                .map(|s| (s.scored.reusable(&s.session, &job.ids, top), s.id))
+                .filter(|&(k, _)| k > 0)
+                .max();
+            return best
+                .map(|(_, id)| id)
+                .or_else(|| least_valuable(None))
+                .map(at);
         }
         // What each idle slot holds of the job: (slot, reusable tokens, tokens
         // it holds beyond them), computed once.
@@ -715,9 +757,12 @@ impl Engine {
         let saved_before = self.persist.as_ref().map_or(0, Persist::saved_tokens);
         let ids = std::mem::take(&mut job.ids);
         let scoring = job.prompt_logprobs.is_some();
-        let plan = match scoring {
-            true => Plan::cold(ids),
-            false => plan(
+        let plan = match job.prompt_logprobs {
+            Some(top) => {
+                let k = slot.scored.reusable(&slot.session, &ids, top);
+                Plan::scored(ids, k)
+            }
+            None => plan(
                 slot.id,
                 &mut slot.session,
                 self.persist.as_mut(),
@@ -805,6 +850,20 @@ impl Engine {
             .job
             .events
             .blocking_send(Event::Started(run.usage(slot.id, 0)));
+        if let Some(top) = run.job.prompt_logprobs {
+            let taken = take_scored(slot, &run.plan.ids, top);
+            if !taken.is_empty()
+                && run
+                    .job
+                    .events
+                    .blocking_send(Event::PromptLogprobs(taken))
+                    .is_err()
+            {
+                // The client left: nothing more to do for it.
+                slot.run = Some(run);
+                return self.finish(i, FinishReason::Cancelled, None);
+            }
+        }
         let ready = slot.session.tokens().len() == run.plan.ids.len();
         slot.run = Some(run);
         self.publish(i);
@@ -997,7 +1056,15 @@ impl Engine {
         run.prefill_s += elapsed;
         let len = slot.session.tokens().len();
         if let Some(top) = run.job.prompt_logprobs {
-            if !send_prompt_logprobs(&slot.session, &run.plan.ids, top, &run.job.events) {
+            let scored = score_step(&slot.session, &run.plan.ids, top);
+            slot.scored.entries.extend(scored.iter().cloned());
+            let sent = scored.is_empty()
+                || run
+                    .job
+                    .events
+                    .blocking_send(Event::PromptLogprobs(scored))
+                    .is_ok();
+            if !sent {
                 return self.finish(i, FinishReason::Cancelled, None);
             }
         }
@@ -1266,27 +1333,42 @@ impl Engine {
     }
 }
 
-/// Adds affinity keys to a slot, forgetting its oldest past [`MAX_SLOT_KEYS`].
 /// The log-probabilities of the prompt tokens that `session`'s last step
 /// scored (each row scores the token after it; the first token has none and
-/// the last row's is the first generated one), with `top` alternatives; false
-/// when the client is gone.
-fn send_prompt_logprobs(
-    session: &Session,
-    ids: &[u32],
-    top: usize,
-    events: &tokio::sync::mpsc::Sender<Event>,
-) -> bool {
+/// the last row's is the first generated one), with `top` alternatives.
+fn score_step(session: &Session, ids: &[u32], top: usize) -> Vec<Logprobs> {
     let tok = &session.model().tokenizer;
     let n_vocab = session.model().hparams().n_vocab;
     let rows = session.step_logits();
     let first = session.tokens().len() - rows.len() / n_vocab;
-    let scored: Vec<_> = rows
-        .chunks_exact(n_vocab)
+    rows.chunks_exact(n_vocab)
         .zip(ids.get(first + 1..).unwrap_or_default())
         .map(|(row, &id)| crate::generation::score(row, id, top, tok))
-        .collect();
-    scored.is_empty() || events.blocking_send(Event::PromptLogprobs(scored)).is_ok()
+        .collect()
+}
+
+/// A scoring job's start on `slot`, whose session holds the first `k` of
+/// `ids` (reused from its record, or none): the record becomes this prompt's,
+/// keeping the reused tokens' entries (cut to `top` alternatives), and the
+/// `k`th token is scored from the session's logits; returns what that gives
+/// the client now (the prefill scores the rest).
+fn take_scored(slot: &mut Slot, ids: &[u32], top: usize) -> Vec<Logprobs> {
+    let k = slot.session.tokens().len();
+    let mut entries = std::mem::take(&mut slot.scored.entries);
+    entries.truncate(k.saturating_sub(1));
+    for e in &mut entries {
+        e.top.truncate(top);
+    }
+    if let (Some(&next), Ok(logits)) = (ids.get(k).filter(|_| k > 0), slot.session.logits()) {
+        let tok = &slot.session.model().tokenizer;
+        entries.push(crate::generation::score(logits, next, top, tok));
+    }
+    slot.scored = ScoredPrompt {
+        tokens: ids.to_vec(),
+        top,
+        entries: entries.clone(),
+    };
+    entries
 }
 
 /// Tokens `a` and `b` begin with alike.
@@ -1294,6 +1376,7 @@ fn shared_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
+/// Adds affinity keys to a slot, forgetting its oldest past [`MAX_SLOT_KEYS`].
 fn remember_keys(slot: &mut Slot, keys: Vec<String>) {
     for k in keys {
         if !slot.keys.contains(&k) {

@@ -403,6 +403,58 @@ fn a_scored_prompt_gets_each_token_logprob_and_leaves_other_conversations_alone(
     );
 }
 
+/// Scores `prompt` with `top` alternatives (one token generated): its prompt
+/// tokens' log-probabilities and usage.
+fn score(rt: &Rt, prompt: &str, top: usize) -> (Vec<ds4_runtime::Logprobs>, ds4_runtime::Usage) {
+    let ids = model().tokenizer.encode(prompt, true, true);
+    let (mut job, mut rx) = greedy_job(prompt, ids, 1, &[], vec![]);
+    job.prompt_logprobs = Some(top);
+    rt.rt.as_ref().unwrap().handle.submit(job).unwrap();
+    let mut got = Vec::new();
+    while let Some(e) = rx.blocking_recv() {
+        match e {
+            Event::PromptLogprobs(l) => got.extend(l),
+            Event::Done { usage, .. } => return (got, usage),
+            Event::Failed(e) => panic!("{e}"),
+            _ => {}
+        }
+    }
+    panic!("no Done event")
+}
+
+/// A scored prompt sharing a context with the last one scored on a slot (a
+/// harness scoring several continuations of one question) takes the
+/// context's scores and state from it and prefills only the rest: every
+/// number and alternative as scored cold, bit for bit. A prompt wanting more
+/// alternatives than were kept is scored cold; fewer are cut from more.
+#[test]
+fn a_scored_prompt_reuses_the_scores_of_a_shared_context() {
+    let ctx = chat(&"The keeper counted the waves breaking on the rocks. ".repeat(10));
+    let [a, b] = ["The answer is the sea.", "The answer is a ship."].map(|e| format!("{ctx}{e}"));
+    let cold = |p: &str, top| score(&Rt::start(1, None, RuntimeConfig::default()), p, top).0;
+    let rt = Rt::start(2, None, RuntimeConfig::default());
+    let (_, ua) = score(&rt, &a, 3);
+    assert_eq!(ua.cached_tokens, 0);
+    let (got, ub) = score(&rt, &b, 2);
+    assert_eq!(ub.slot, ua.slot);
+    assert!(
+        ub.cached_tokens > 100 && ub.cached_tokens < ub.prompt_tokens,
+        "{} of {}",
+        ub.cached_tokens,
+        ub.prompt_tokens
+    );
+    assert_eq!(got.len(), ub.prompt_tokens - 1);
+    assert!(got == cold(&b, 2), "reused scores differ from cold ones");
+    // The same prompt again: all of it from the record.
+    let (again, u) = score(&rt, &b, 2);
+    assert_eq!(u.cached_tokens, u.prompt_tokens);
+    assert!(again == got);
+    // More alternatives than the record keeps: cold.
+    let (more, u) = score(&rt, &b, 4);
+    assert_eq!(u.cached_tokens, 0);
+    assert!(more == cold(&b, 4));
+}
+
 /// Jobs that arrive while another prefills a prompt they share (a request's
 /// several choices, agents sent out together with one system prompt) wait for
 /// that prefill and start from a copy of it: the same prompt reuses all of it,
