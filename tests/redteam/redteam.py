@@ -229,7 +229,7 @@ FIELDS = {
                              "stream_options", "logit_bias", "logprobs", "top_logprobs", "thinking",
                              "prompt_cache_key"],
     "/v1/completions": ["prompt", "max_tokens", "temperature", "stream", "stop", "seed", "n", "tools",
-                        "logit_bias", "logprobs", "echo"],
+                        "logit_bias", "logprobs", "echo", "suffix", "best_of"],
     "/v1/messages": ["model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k",
                      "stop_sequences", "stream", "tools", "tool_choice", "thinking", "min_p", "n", "seed",
                      "output_format"],

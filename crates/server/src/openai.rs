@@ -93,6 +93,8 @@ struct CompletionBody {
     common: Common,
     prompt: Option<Value>,
     echo: Option<bool>,
+    suffix: Option<Value>,
+    best_of: Option<Value>,
 }
 
 pub(crate) fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, BadRequest> {
@@ -439,6 +441,22 @@ pub fn parse_completion(body: &[u8]) -> Result<Request, BadRequest> {
         ));
     }
     p.echo = b.echo.unwrap_or(false);
+    // Both would change what the answer is; ignoring them would answer
+    // another request.
+    if b.suffix.as_ref().is_some_and(|v| !v.is_null() && v != "") {
+        return Err(BadRequest::new(
+            "suffix (insertion) is not supported",
+            Some("suffix"),
+        ));
+    }
+    if let Some(v) = b.best_of.filter(|v| !v.is_null()) {
+        if v.as_u64() != Some(p.n as u64) {
+            return Err(BadRequest::new(
+                "best_of is supported only equal to n (every choice is returned)",
+                Some("best_of"),
+            ));
+        }
+    }
     Ok(p)
 }
 
@@ -882,6 +900,25 @@ mod tests {
             assert_eq!(e.param, Some("prompt"), "{bad}: {e:?}");
         }
         assert!(parse_completion(br#"{"prompt":"x","echo":1}"#).is_err());
+        for (extra, param) in [
+            (r#""suffix":" end""#, "suffix"),
+            (r#""best_of":2"#, "best_of"),
+            (r#""best_of":2,"n":3"#, "best_of"),
+            (r#""best_of":"2""#, "best_of"),
+        ] {
+            let body = format!(r#"{{"prompt":"x",{extra}}}"#);
+            let e = parse_completion(body.as_bytes()).unwrap_err();
+            assert_eq!(e.param, Some(param), "{extra}: {e:?}");
+        }
+        for ok in [
+            r#""suffix":"""#,
+            r#""suffix":null"#,
+            r#""best_of":1"#,
+            r#""best_of":2,"n":2"#,
+        ] {
+            let body = format!(r#"{{"prompt":"x",{ok}}}"#);
+            assert!(parse_completion(body.as_bytes()).is_ok(), "{ok}");
+        }
     }
 
     #[test]
