@@ -300,9 +300,10 @@ pub struct Logprobs {
     pub top: Vec<TokenLogprob>,
 }
 
-/// What the runtime reports for a job, in order: `Started`, any number of
-/// `Text` (when the job asks for them, `Logprobs` go just before the text
-/// they complete), then `Done` or `Failed`.
+/// What the runtime reports for a job, in order: `Started`, the prompt's
+/// `PromptLogprobs` when the job scores it, any number of `Text` (when the
+/// job asks for them, `Logprobs` go just before the text they complete),
+/// then `Done` or `Failed`.
 #[derive(Clone, Debug)]
 pub enum Event {
     /// The prompt and reuse counts (nothing generated or checkpointed yet).

@@ -542,6 +542,13 @@ impl OpenAi {
         }
     }
 
+    /// The stream's last chunk before `[DONE]` (`include_usage`): no
+    /// choices, the usage.
+    fn usage_chunk(&self, g: &Gen, u: &Usage) -> Value {
+        json!({ "id": g.id, "object": self.object(true), "created": g.created, "model": g.model,
+                "choices": [], "usage": usage_json(u) })
+    }
+
     fn object(&self, streaming: bool) -> &'static str {
         match (self.kind, streaming) {
             (Kind::Chat, false) => "chat.completion",
@@ -741,9 +748,7 @@ impl Dialect for OpenAi {
     ) -> Vec<SseEvent> {
         let mut out = vec![data(&self.chunk(g, json!({}), Some(finish)))];
         if include_usage {
-            let v = json!({ "id": g.id, "object": self.object(true), "created": g.created, "model": g.model,
-                            "choices": [], "usage": usage_json(u) });
-            out.push(data(&v));
+            out.push(data(&self.usage_chunk(g, u)));
         }
         out.push(SseEvent::default().data("[DONE]"));
         out

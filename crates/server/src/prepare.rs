@@ -47,30 +47,21 @@ pub(crate) enum Refusal {
 /// the request in the trace.
 pub(crate) fn prepare(st: &AppState, p: &mut Request, id: &str) -> Result<Prepared, Refusal> {
     let n_vocab = st.model.tokenizer.n_vocab();
-    if let Some((t, _)) = p
-        .sampling
-        .logit_bias
-        .iter()
-        .find(|(t, _)| *t as usize >= n_vocab)
-    {
-        return Err(Refusal::Invalid(format!(
-            "logit_bias: token {t} is outside the vocabulary ({n_vocab} tokens)"
-        )));
-    }
+    in_vocab(
+        "logit_bias",
+        p.sampling.logit_bias.iter().map(|&(t, _)| t),
+        n_vocab,
+    )?;
     if let Input::Tokens(ids) = &p.input {
-        if let Some(&id) = ids.iter().find(|&&id| id as usize >= n_vocab) {
-            return Err(Refusal::Invalid(format!(
-                "prompt: token {id} is outside the vocabulary ({n_vocab} tokens)"
-            )));
-        }
+        in_vocab("prompt", ids.iter().copied(), n_vocab)?;
     }
     let r = render(st, p).map_err(|m| Refusal::Invalid(m.into()))?;
     let limit = TokenLimit::of(p.max_tokens, st.cfg.default_max_tokens);
     let n_ctx = st.cfg.n_ctx;
     let tok = &st.model.tokenizer;
-    let ids = match &mut p.input {
+    let ids = match &p.input {
         // Token ids are run as given (the text is what they decode to).
-        Input::Tokens(ids) => std::mem::take(ids),
+        Input::Tokens(ids) => ids.clone(),
         _ => {
             let at_least = tok.min_tokens(r.prompt.as_str());
             limit.allowed(at_least, n_ctx).map_err(|o| {
@@ -97,6 +88,21 @@ pub(crate) fn prepare(st: &AppState, p: &mut Request, id: &str) -> Result<Prepar
         breakpoints: r.breakpoints,
         gate,
     })
+}
+
+/// Refuses the first of `ids` (the request's `field`) outside a vocabulary of
+/// `n_vocab` tokens.
+fn in_vocab(
+    field: &str,
+    mut ids: impl Iterator<Item = u32>,
+    n_vocab: usize,
+) -> Result<(), Refusal> {
+    match ids.find(|&id| id as usize >= n_vocab) {
+        Some(id) => Err(Refusal::Invalid(format!(
+            "{field}: token {id} is outside the vocabulary ({n_vocab} tokens)"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// The tokens a count (`/v1/messages/count_tokens`) reports: the rendered

@@ -247,9 +247,7 @@ async fn streamed(
             // Every choice is done.
             let mut out = Vec::new();
             if let (true, Some(u)) = (include_usage, &s.usage) {
-                let v = json!({ "id": s.g.id, "object": object(kind), "created": s.g.created,
-                                "model": s.g.model, "choices": [], "usage": usage_json(u) });
-                out.push(data(&v));
+                out.push(data(&OpenAi::new(kind).usage_chunk(&s.g, u)));
             }
             out.push(SseEvent::default().data("[DONE]"));
             return Some((out, None));
@@ -291,14 +289,6 @@ async fn streamed(
     })
     .flat_map(stream::iter);
     sse(body.map(Ok::<_, Infallible>)).into_response()
-}
-
-/// The streamed chunks' `object`.
-fn object(kind: Kind) -> &'static str {
-    match kind {
-        Kind::Chat => "chat.completion.chunk",
-        Kind::Completion => "text_completion",
-    }
 }
 
 /// The error event that ends a stream, then `[DONE]`.
