@@ -115,6 +115,14 @@ pub struct ServeArgs {
     /// every thread.
     #[arg(long, default_value = "auto", value_name = "auto|TOKENS")]
     pub mixed_prefill_quantum: ds4_runtime::PrefillQuantum,
+    /// Speculative decoding by prompt lookup: each step may carry up to this
+    /// many draft tokens, the tokens that followed the latest earlier
+    /// occurrence of the last few (an answer that copies its context: a file
+    /// being edited, a tool's output). The output is exactly the output
+    /// without drafts; 0 turns it off.
+    #[arg(long, default_value_t = ds4_runtime::DRAFT_MAX, value_name = "TOKENS",
+          value_parser = draft_tokens)]
+    pub draft_max: usize,
 }
 
 pub fn run(a: &ServeArgs) -> Result<()> {
@@ -181,6 +189,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         RuntimeConfig {
             prefill_quantum: a.mixed_prefill_quantum,
             queue_max: a.queue_max,
+            draft_max: a.draft_max,
         },
         notices,
     );
@@ -268,6 +277,16 @@ fn positive_secs(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if v > 0.0 && v.is_finite() && v < 1e9 => Ok(v),
         _ => Err(format!("{s:?} is not a positive number of seconds")),
+    }
+}
+
+/// A step keeps every row's logits for its draft, at most 64 rows.
+fn draft_tokens(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(v) if v <= 63 => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a number of draft tokens from 0 to 63"
+        )),
     }
 }
 

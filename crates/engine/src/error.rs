@@ -44,6 +44,12 @@ pub enum EngineError {
          layers no longer hold the rows that position reads (restore a snapshot or prefill again)"
     )]
     CannotCutBack { to: usize, len: usize },
+    #[error("cannot keep {n} tokens of a {step}-token step: {why}")]
+    KeepVerified {
+        n: usize,
+        step: usize,
+        why: &'static str,
+    },
     #[error("batch: {reason}")]
     Batch { reason: String },
     #[error("session payload holds {payload} K/V; this session stores {session} (--kv-type)")]

@@ -13,6 +13,7 @@ mod payload;
 pub mod rope;
 pub mod sampler;
 mod session;
+pub mod speculate;
 mod state;
 pub mod tokenizer;
 mod weights;

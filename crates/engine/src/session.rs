@@ -369,6 +369,56 @@ impl Session {
         }
     }
 
+    /// After a forward step of `step` tokens run with
+    /// [`keep_step_logits`](Self::keep_step_logits) on, keeps its first `n`
+    /// (1 to `step`): the state is cut back to them and their last row of
+    /// logits becomes the next-token logits, exactly the session those tokens
+    /// alone would have given (a speculative step's verified part). Fails
+    /// without changing anything when the step's rows are not kept or the
+    /// state cannot be cut there ([`max_draft`](Self::max_draft) avoids it).
+    pub fn keep_verified(&mut self, step: usize, n: usize) -> Result<()> {
+        let len = self.tokens.len();
+        let n_vocab = self.logits.len();
+        let fail = |why| Err(EngineError::KeepVerified { n, step, why });
+        if n == 0 || n > step || step > len {
+            return fail("not a part of the last step");
+        }
+        if !self.step_logits || self.chunk_logits.len() != step * n_vocab {
+            return fail("the step did not keep its rows of logits");
+        }
+        if n == step {
+            return Ok(());
+        }
+        let keep = len - step + n;
+        if !self.state.can_cut_to(keep) {
+            return Err(EngineError::CannotCutBack { to: keep, len });
+        }
+        self.state.drop_appended(keep);
+        self.tokens.truncate(keep);
+        let row = (n - 1) * n_vocab;
+        self.logits
+            .copy_from_slice(&self.chunk_logits[row..row + n_vocab]);
+        Ok(())
+    }
+
+    /// The most draft tokens a step after the held tokens may carry beside
+    /// the one it feeds, at most `cap`: what the context and one step take,
+    /// and no more than the state can be cut back from to keep only that one
+    /// ([`keep_verified`](Self::keep_verified); a compressed state cannot cut
+    /// back across a compression boundary).
+    pub fn max_draft(&self, cap: usize) -> usize {
+        let len = self.tokens.len();
+        let room = self
+            .n_ctx()
+            .saturating_sub(len + 1)
+            .min(self.max_step().saturating_sub(1))
+            .min(cap);
+        (0..=room)
+            .rev()
+            .find(|&k| k == 0 || self.state.could_cut_loaded(len + 1 + k, len + 1))
+            .unwrap_or(0)
+    }
+
     /// Feeds one token (sampled or forced) and computes the next logits.
     pub fn decode_step(&mut self, token: u32) -> Result<()> {
         self.prefill(&[token])

@@ -332,8 +332,63 @@ fn f16_payloads_round_trip_and_do_not_load_into_f32_sessions(f: &Family) {
     }
 }
 
+/// A speculative step keeps only its verified part: after a step of a token
+/// and a draft with every row kept, keeping its first `n` tokens gives
+/// bitwise the logits and the continuation of a session that ran those
+/// tokens alone (past a sliding window; DeepSeek V4's compressed state drafts
+/// only as far as it can be cut back), and misuse is refused.
+fn keeping_part_of_a_step_is_that_part_alone(f: &Family) {
+    let p = families::long_prompt(f);
+    let mut base = session_kv(f, 1024, Precision::Fast, KvType::F16);
+    base.prefill(&p[..600]).unwrap();
+    base.keep_step_logits(true);
+    let k = base.max_draft(7);
+    assert!(k <= 7 && base.max_draft(0) == 0);
+    // 601 tokens, then back to 601: DeepSeek V4's 4-token compression
+    // window starting at 600 holds two more.
+    let want = if f.name == "deepseek4" { 2 } else { 7 };
+    assert_eq!(k, want, "{}", f.name);
+    let step = &p[600..601 + k];
+    for n in 1..=step.len() {
+        let mut s = clone_of(f, &base);
+        s.keep_step_logits(true);
+        s.prefill(step).unwrap();
+        s.keep_verified(step.len(), n).unwrap();
+        let mut alone = session_kv(f, 1024, Precision::Fast, KvType::F16);
+        alone.prefill(&p[..600 + n]).unwrap();
+        assert_eq!(s.tokens(), alone.tokens());
+        assert!(
+            bits(&s) == bits(&alone),
+            "{}: kept {n} of {}",
+            f.name,
+            step.len()
+        );
+        s.keep_step_logits(false);
+        assert_eq!(
+            greedy(&mut s, 4),
+            greedy(&mut alone, 4),
+            "{}: kept {n}",
+            f.name
+        );
+    }
+    // Nothing kept, more than the step, or a step without its rows: refused,
+    // the session unchanged.
+    let mut s = clone_of(f, &base);
+    s.keep_step_logits(true);
+    s.prefill(step).unwrap();
+    let want = bits(&s);
+    for n in [0, step.len() + 1] {
+        let e = s.keep_verified(step.len(), n).unwrap_err();
+        assert!(matches!(e, EngineError::KeepVerified { .. }), "{e}");
+    }
+    s.keep_step_logits(false);
+    assert!(s.keep_verified(step.len(), 1).is_err());
+    assert!(bits(&s) == want && s.tokens().len() == 601 + k);
+}
+
 for_each_family!(
     payload_round_trip_is_bitwise_at_several_lengths,
+    keeping_part_of_a_step_is_that_part_alone,
     payload_loads_into_a_larger_context_only;
     attention:
     snapshot_restore_and_rewind_are_exact,

@@ -36,7 +36,7 @@ pub use notice::{discard, Finished, Notice, NoticeSink, Planned};
 pub use persist::{model_id, Offers, Persist, Rates, Restored, StoreUsage, Writer};
 pub use plan::{Verdict, Weighed};
 pub use scheduler::{
-    PrefillQuantum, Runtime, RuntimeConfig, RuntimeHandle, SlotInfo, STALL_FACTOR,
+    PrefillQuantum, Runtime, RuntimeConfig, RuntimeHandle, SlotInfo, DRAFT_MAX, STALL_FACTOR,
 };
 pub use template::template_for;
 pub use tool_memory::{ReplayStats, ToolMemory, SECTION_TOOL_IDS};

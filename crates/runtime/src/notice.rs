@@ -109,6 +109,10 @@ pub struct Finished {
     pub queue_s: f64,
     pub generated: usize,
     pub generated_text: String,
+    /// Draft tokens its steps carried ([`ds4_engine::speculate`]), and how
+    /// many of them were kept.
+    pub drafted: usize,
+    pub accepted: usize,
     pub finish: FinishReason,
     /// Why a cancelled job was cut short (the client went away, the server is
     /// shutting down); `None` otherwise.
@@ -147,13 +151,17 @@ impl std::fmt::Display for Notice {
             ),
             Notice::Finished(r) => write!(
                 f,
-                "request: cache={} reused={}{} prompt={} prefill={:.2}s generated={} decode={:.2}s finish={}{} slot={}{}",
+                "request: cache={} reused={}{} prompt={} prefill={:.2}s generated={}{} decode={:.2}s finish={}{} slot={}{}",
                 r.source.as_str(),
                 r.reused,
                 cut(r.cut),
                 r.prompt_tokens,
                 r.prefill_s,
                 r.generated,
+                match r.drafted {
+                    0 => String::new(),
+                    d => format!(" drafted={d} accepted={}", r.accepted),
+                },
                 r.decode_s,
                 r.finish.as_str(),
                 r.cancelled.map_or(String::new(), |why| format!(" ({why})")),

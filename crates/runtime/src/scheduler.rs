@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
+use ds4_engine::speculate::Drafter;
 use ds4_engine::{Batch, EngineError, Sampler, Session, ThreadPool};
 use ds4_kvstore::SaveReason;
 
@@ -88,13 +89,21 @@ pub struct RuntimeConfig {
     /// Jobs that may wait for a slot when every slot is busy; past it
     /// `submit` refuses ([`SubmitError::QueueFull`]).
     pub queue_max: usize,
+    /// Most draft tokens a decoding step carries beside its own
+    /// ([`ds4_engine::speculate`]; 0: no speculation).
+    pub draft_max: usize,
 }
+
+/// The default [`RuntimeConfig::draft_max`]: a step of 8 tokens still runs
+/// the products' decode tiles, which read each weight once for all of them.
+pub const DRAFT_MAX: usize = 7;
 
 impl Default for RuntimeConfig {
     fn default() -> Self {
         RuntimeConfig {
             prefill_quantum: PrefillQuantum::Auto,
             queue_max: 64,
+            draft_max: DRAFT_MAX,
         }
     }
 }
@@ -293,6 +302,7 @@ impl Runtime {
                     shared,
                     notices,
                     quantum: cfg.prefill_quantum,
+                    draft_max: cfg.draft_max,
                     pace: Pace::default(),
                     split,
                 };
@@ -386,6 +396,9 @@ struct Run {
     gen: Option<Generation>,
     /// The token the next step feeds, and whether the job ends after it.
     pending: Option<(u32, Option<FinishReason>)>,
+    /// The draft the next step feeds after the pending token.
+    draft: Vec<u32>,
+    drafter: Drafter,
     queue_s: f64,
     started: Instant,
     prefill_s: f64,
@@ -422,6 +435,7 @@ struct Engine {
     shared: Arc<Shared>,
     notices: NoticeSink,
     quantum: PrefillQuantum,
+    draft_max: usize,
     pace: Pace,
     /// Under [`PrefillQuantum::Auto`] with two threads or more: the prefill
     /// lane and the threads the decoders step on while it runs.
@@ -491,8 +505,8 @@ struct Choice {
 enum Feed {
     /// Prompt tokens `from..to` of its plan.
     Prefill(usize, usize),
-    /// The token it chose last step.
-    Decode(u32),
+    /// The token it chose last step, and its draft.
+    Decode,
 }
 
 impl Engine {
@@ -841,6 +855,8 @@ impl Engine {
             max_tokens,
             gen: None,
             pending: None,
+            draft: Vec::new(),
+            drafter: Drafter::new(self.draft_max),
             queue_s,
             started,
             prefill_s: 0.0,
@@ -890,11 +906,19 @@ impl Engine {
             .any(|s| s.run.as_ref().is_some_and(|r| r.pending.is_some()));
         let mut rows_left = self.batch.max_rows();
         let mut feeds: Vec<(usize, Feed)> = Vec::new();
-        for s in &self.slots {
-            let Some(r) = &s.run else { continue };
-            if let Some((t, _)) = r.pending {
-                feeds.push((s.id, Feed::Decode(t)));
-                rows_left -= 1;
+        let n_decoding = self
+            .slots
+            .iter()
+            .filter(|s| s.run.as_ref().is_some_and(|r| r.pending.is_some()))
+            .count();
+        for s in &mut self.slots {
+            let Some(r) = &mut s.run else { continue };
+            if r.pending.is_some() {
+                // Every decoder's own token first; drafts share what is left.
+                let room = rows_left.saturating_sub(n_decoding - feeds.len());
+                r.draft.truncate(room.saturating_sub(1));
+                feeds.push((s.id, Feed::Decode));
+                rows_left -= 1 + r.draft.len();
             }
         }
         let mut lane_free = self.split.as_ref().is_some_and(|s| s.lane.busy().is_none());
@@ -938,24 +962,27 @@ impl Engine {
         let split = self.split.as_ref().filter(|s| s.lane.busy().is_some());
         let decode_pool = split.map(|s| Arc::clone(&s.decode_pool));
         let t = Instant::now();
+        let decoded: Vec<Vec<u32>> = feeds
+            .iter()
+            .map(|(i, f)| match (f, self.slots[*i].run.as_deref()) {
+                (Feed::Decode, Some(r)) => {
+                    let first = r.pending.map(|(t, _)| t).into_iter();
+                    first.chain(r.draft.iter().copied()).collect()
+                }
+                _ => vec![],
+            })
+            .collect();
         let result = {
             let mut steps: Vec<(&mut Session, &[u32])> = Vec::with_capacity(feeds.len());
             let mut slots: Vec<Option<&mut Slot>> = self.slots.iter_mut().map(Some).collect();
-            let singles: Vec<[u32; 1]> = feeds
-                .iter()
-                .map(|(_, f)| match f {
-                    Feed::Decode(t) => [*t],
-                    Feed::Prefill(..) => [0],
-                })
-                .collect();
-            for ((i, f), single) in feeds.iter().zip(&singles) {
+            for ((i, f), fed) in feeds.iter().zip(&decoded) {
                 let Some(slot) = slots[*i].take() else {
                     continue;
                 };
                 let Slot { session, run, .. } = slot;
                 let Some(run) = run.as_deref() else { continue };
                 let tokens: &[u32] = match f {
-                    Feed::Decode(_) => single,
+                    Feed::Decode => fed,
                     Feed::Prefill(a, b) => &run.plan.ids[*a..*b],
                 };
                 steps.push((session, tokens));
@@ -970,7 +997,7 @@ impl Engine {
             .iter()
             .map(|(_, f)| match f {
                 Feed::Prefill(a, b) => b - a,
-                Feed::Decode(_) => 0,
+                Feed::Decode => 0,
             })
             .sum();
         if decode_pool.is_none() {
@@ -983,10 +1010,10 @@ impl Engine {
             }
             return;
         }
-        for (i, f) in feeds {
+        for ((i, f), fed) in feeds.into_iter().zip(decoded) {
             match f {
                 Feed::Prefill(..) => self.after_prefill(i, elapsed),
-                Feed::Decode(_) => self.after_decode(i),
+                Feed::Decode => self.after_decode(i, fed.len()),
             }
         }
     }
@@ -1105,7 +1132,8 @@ impl Engine {
             // overstate it).
             p.note_prefill(run.plan.ids.len() - run.plan.reused, run.prefill_s);
         }
-        slot.session.keep_step_logits(false);
+        // A draft's step needs each row's logits (and takes fewer tokens).
+        slot.session.keep_step_logits(self.draft_max > 0);
         let job = &mut run.job;
         run.gen = Some(Generation::new(
             Sampler::new(job.sampling.clone()),
@@ -1118,13 +1146,68 @@ impl Engine {
         self.choose_next(i);
     }
 
-    /// A slot fed the token it chose: a continued save where one is due, then
-    /// the next token, or the end of the job.
-    fn after_decode(&mut self, i: usize) {
-        let slot = &mut self.slots[i];
-        let Some(run) = slot.run.as_deref_mut() else {
+    /// A slot fed the token it chose (and `fed - 1` draft tokens after it):
+    /// the draft verified, a continued save where one is due, then the next
+    /// token, or the end of the job.
+    fn after_decode(&mut self, i: usize, fed: usize) {
+        if fed > 1 {
+            return self.verify(i, fed);
+        }
+        self.continued_save(i);
+        let Some(run) = self.slots[i].run.as_deref_mut() else {
             return;
         };
+        if let Some((_, Some(finish))) = run.pending.take() {
+            self.finish(i, finish, None);
+            return;
+        }
+        self.choose_next(i);
+    }
+
+    /// Slot `i` fed its token and a draft (`fed` tokens in all, each row's
+    /// logits kept): each row is sampled as that token alone would have been,
+    /// the draft kept while the sampled token is the drafted one, and the
+    /// session cut back after the last kept token, whose row is then the
+    /// next-token logits. The output is the output without a draft.
+    fn verify(&mut self, i: usize, fed: usize) {
+        let slot = &mut self.slots[i];
+        let Slot { session, run, .. } = slot;
+        let Some(run) = run.as_deref_mut() else {
+            return;
+        };
+        let (Some(g), Some(_)) = (run.gen.as_mut(), run.pending.take()) else {
+            return;
+        };
+        let draft = std::mem::take(&mut run.draft);
+        let model = Arc::clone(session.model());
+        let n_vocab = model.hparams().n_vocab;
+        let rows = session.step_logits();
+        let mut outcome = Next::Finish(FinishReason::Stop);
+        let mut kept = fed;
+        for (j, row) in rows.chunks_exact(n_vocab).take(fed).enumerate() {
+            let next = g.step(row, &model.tokenizer, &run.job.events);
+            let drafted = draft.get(j).copied();
+            match next {
+                Next::Feed(t) if Some(t) == drafted => continue,
+                // The draft holds the token it ends on: it is in the state.
+                Next::FeedAndFinish(t, f) if Some(t) == drafted => {
+                    (kept, outcome) = (j + 2, Next::Finish(f));
+                }
+                next => (kept, outcome) = (j + 1, next),
+            }
+            break;
+        }
+        run.drafter.record(draft.len(), kept - 1);
+        if let Err(e) = session.keep_verified(fed, kept) {
+            return self.finish(i, FinishReason::Stop, Some(e.to_string()));
+        }
+        self.continued_save(i);
+        self.apply_next(i, outcome);
+    }
+
+    /// A continued save of slot `i`'s session where one is due.
+    fn continued_save(&mut self, i: usize) {
+        let slot = &mut self.slots[i];
         let len = slot.session.tokens().len();
         if let Some(p) = &mut self.persist {
             if p.continued_due(slot.frontier, len) {
@@ -1132,11 +1215,6 @@ impl Engine {
                 slot.frontier = len;
             }
         }
-        if let Some((_, Some(finish))) = run.pending.take() {
-            self.finish(i, finish, None);
-            return;
-        }
-        self.choose_next(i);
     }
 
     /// Samples slot `i`'s next token from its logits.
@@ -1154,8 +1232,22 @@ impl Engine {
             }
             (_, None) => return,
         };
+        self.apply_next(i, next);
+    }
+
+    /// What slot `i` does after choosing `next`: feeds it next step (with a
+    /// draft after it where one is found), or ends.
+    fn apply_next(&mut self, i: usize, next: Next) {
+        let slot = &mut self.slots[i];
+        let Some(run) = slot.run.as_deref_mut() else {
+            return;
+        };
         match next {
-            Next::Feed(t) => run.pending = Some((t, None)),
+            Next::Feed(t) => {
+                run.pending = Some((t, None));
+                let room = slot.session.max_draft(self.draft_max);
+                run.draft = run.drafter.propose(slot.session.tokens(), t, room);
+            }
             Next::FeedAndFinish(t, f) => {
                 if slot.session.tokens().len() < slot.session.n_ctx() {
                     run.pending = Some((t, Some(f)));
@@ -1174,6 +1266,8 @@ impl Engine {
         let Some(mut run) = slot.run.take() else {
             return;
         };
+        // A draft's or a scored prompt's rows of logits are not kept idle.
+        slot.session.keep_step_logits(false);
         slot.last_used = Instant::now();
         let checkpointed = self
             .persist
@@ -1247,6 +1341,8 @@ impl Engine {
             queue_s: run.queue_s,
             generated,
             generated_text: text,
+            drafted: run.drafter.drafted,
+            accepted: run.drafter.accepted,
             finish: final_reason,
             cancelled: (final_reason == FinishReason::Cancelled).then(|| {
                 if self.shared.stopping.load(Ordering::Acquire) {

@@ -16,6 +16,8 @@ pub struct Metrics {
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
     generated_tokens: AtomicU64,
+    draft_tokens: AtomicU64,
+    accepted_draft_tokens: AtomicU64,
     prefill_micros: AtomicU64,
     decode_micros: AtomicU64,
     queue_micros: AtomicU64,
@@ -41,6 +43,9 @@ pub struct JobStats {
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
     pub generated_tokens: usize,
+    /// Draft tokens its decoding steps carried, and those kept.
+    pub draft_tokens: usize,
+    pub accepted_draft_tokens: usize,
     pub prefill_s: f64,
     pub decode_s: f64,
     /// Seconds it waited for a slot.
@@ -81,6 +86,10 @@ impl Metrics {
             .fetch_add(s.cached_tokens as u64, Ordering::Relaxed);
         self.generated_tokens
             .fetch_add(s.generated_tokens as u64, Ordering::Relaxed);
+        self.draft_tokens
+            .fetch_add(s.draft_tokens as u64, Ordering::Relaxed);
+        self.accepted_draft_tokens
+            .fetch_add(s.accepted_draft_tokens as u64, Ordering::Relaxed);
         self.prefill_micros
             .fetch_add((s.prefill_s * 1e6) as u64, Ordering::Relaxed);
         self.decode_micros
@@ -155,6 +164,18 @@ impl Metrics {
             "ds4_generated_tokens_total",
             "Tokens generated.",
             load(&self.generated_tokens).to_string(),
+        );
+        counter(
+            &mut out,
+            "ds4_draft_tokens_total",
+            "Draft tokens verified by speculative decoding steps.",
+            load(&self.draft_tokens).to_string(),
+        );
+        counter(
+            &mut out,
+            "ds4_draft_accepted_tokens_total",
+            "Draft tokens kept (each saved a decoding step).",
+            load(&self.accepted_draft_tokens).to_string(),
         );
         counter(
             &mut out,
@@ -265,6 +286,8 @@ mod tests {
             prompt_tokens: 10,
             cached_tokens: 4,
             generated_tokens: 3,
+            draft_tokens: 7,
+            accepted_draft_tokens: 2,
             prefill_s: 0.5,
             decode_s: 0.25,
             queue_s: 0.125,
@@ -293,6 +316,8 @@ mod tests {
             "ds4_prompt_tokens_total 10",
             "ds4_cached_tokens_total 4",
             "ds4_generated_tokens_total 3",
+            "ds4_draft_tokens_total 7",
+            "ds4_draft_accepted_tokens_total 2",
             "ds4_prefill_seconds_total 0.500000",
             "ds4_cache_hits_total{source=\"memory-text\"} 1",
             "ds4_cache_hits_total{source=\"none\"} 0",

@@ -119,7 +119,8 @@ impl KvRows for u16 {
 /// Which rows a state holds, for comparing two states' rows once and
 /// remembering it: `id` names the state for its life, `epoch` changes whenever
 /// rows below its length may have changed (a cut, a reset, a load). Appending
-/// writes only positions at or past the length.
+/// writes only positions at or past the length, and so does dropping what the
+/// last step appended past a kept length (`drop_appended`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct RowsKey {
     pub id: u64,
@@ -432,6 +433,14 @@ impl SeqState for KvState {
     fn cut_to(&mut self, n: usize) {
         debug_assert!(self.can_cut_to(n));
         self.rows_changed();
+        self.len = n;
+    }
+
+    fn drop_appended(&mut self, n: usize) {
+        // No new epoch: the rows below `n` are unchanged, and a comparison
+        // only ever covers positions whose tokens both states share, whose
+        // rows (rewritten from `n` on) are a function of those tokens.
+        debug_assert!(self.can_cut_to(n));
         self.len = n;
     }
 

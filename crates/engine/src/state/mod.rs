@@ -61,6 +61,13 @@ pub(crate) trait SeqState: Send {
     /// Cuts back to `n` tokens; the caller has checked [`can_cut_to`](Self::can_cut_to).
     fn cut_to(&mut self, n: usize);
 
+    /// Drops the last forward step's tokens past `n` (a draft not kept): a
+    /// [`cut_to`](Self::cut_to) that leaves every row below `n` as the step
+    /// found it, so what is known of them stays true.
+    fn drop_appended(&mut self, n: usize) {
+        self.cut_to(n);
+    }
+
     /// Forgets everything: the next forward starts at position 0.
     fn reset(&mut self);
 

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Decode speed with and without speculative decoding (prompt lookup,
+`--draft-max`), on the same requests: two servers of the same binary, one
+with drafts and one without (`--draft-max 0`), asked in turn, greedy. Each
+answer must be the same text on both; the decode seconds come from each
+server's trace (`decode_s`, so prefill is left out).
+
+    python3 bench/speculation.py [--runs 3] [--tokens 300] [--draft-max 7] [-- extra ds4 serve args]
+
+The requests: copying a file, editing one (a rename, the whole file printed
+again), answering about a tool's output that it quotes, and free prose (which
+copies little: what drafting costs where it rarely helps).
+
+Standard library only; runs target/release/ds4 (build it first)."""
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def requests():
+    src = open(os.path.join(ROOT, "crates/kernels/src/pool.rs")).read()[:2400]
+    listing = subprocess.run(
+        ["git", "-C", ROOT, "log", "--stat", "-3", "--format=%s"],
+        capture_output=True, text=True,
+    ).stdout[:2400]
+    user = lambda text: [{"role": "user", "content": text}]
+    return {
+        "copy": user("Repeat this file exactly:\n```rust\n" + src + "\n```"),
+        "edit": user(
+            "Here is a file:\n```rust\n" + src + "\n```\n"
+            "Rename `ThreadPool` to `WorkerPool` everywhere and print the whole file."
+        ),
+        "tool": user(
+            "The command `git log --stat -3` printed:\n```\n" + listing + "\n```\n"
+            "List every file it names, with its line count change."
+        ),
+        "prose": user("Write a long story about a lighthouse keeper during a storm."),
+    }
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(draft, extra, tmp):
+    port = free_port()
+    trace = os.path.join(tmp, f"trace{draft}.jsonl")
+    argv = [
+        os.path.join(ROOT, "target/release/ds4"), "serve", "--port", str(port),
+        "--draft-max", str(draft), "--trace", trace,
+        "--kv-disk-dir", os.path.join(tmp, f"kv{draft}"), *extra,
+    ]
+    proc = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return proc, port, trace
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("the server did not start")
+
+
+def ask(port, messages, tokens):
+    body = {"model": "ds4", "messages": messages, "max_tokens": tokens, "temperature": 0}
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    return json.load(urllib.request.urlopen(req, timeout=600))["choices"][0]["message"]["content"]
+
+
+def last_request(trace):
+    with open(trace) as f:
+        rows = [json.loads(l) for l in f if '"request"' in l]
+    return rows[-1]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=300)
+    ap.add_argument("--draft-max", type=int, default=7)
+    ap.add_argument("extra", nargs="*", help="extra ds4 serve arguments (after --)")
+    a = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="ds4-spec-")
+    servers = {d: start(d, a.extra, tmp) for d in (0, a.draft_max)}
+    try:
+        print("request  tokens  plain t/s  drafted t/s  ratio  accepted/drafted")
+        for name, messages in requests().items():
+            times = {0: [], a.draft_max: []}
+            texts, stats = {}, None
+            for _ in range(a.runs):
+                for d, (_, port, trace) in servers.items():
+                    texts[d] = ask(port, messages, a.tokens)
+                    r = last_request(trace)
+                    times[d].append(r["decode_s"])
+                    if d:
+                        stats = r
+            if texts[0] != texts[a.draft_max]:
+                sys.exit(f"{name}: the answers differ with and without drafts")
+            n = stats["generated_tokens"]
+            plain, drafted = (n / sorted(times[d])[len(times[d]) // 2] for d in times)
+            print(
+                f"{name:8} {n:6} {plain:10.1f} {drafted:12.1f} {drafted / plain:6.2f}  "
+                f"{stats['accepted_draft_tokens']}/{stats['draft_tokens']}"
+            )
+    finally:
+        for proc, _, _ in servers.values():
+            proc.terminate()
+            proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
