@@ -5,7 +5,10 @@ with drafts and one without (`--draft-max 0`), asked in turn, greedy. Each
 answer must be the same text on both; the decode seconds come from each
 server's trace (`decode_s`, so prefill is left out).
 
-    python3 bench/speculation.py [--runs 3] [--tokens 300] [--draft-max 7] [-- extra ds4 serve args]
+    python3 bench/speculation.py [--runs 3] [--tokens 300] [--draft-max 7] [--completions] [-- extra ds4 serve args]
+
+`--completions` sends each request's text as a `/v1/completions` prompt (for
+a base model such as `-m gemma3`, which has no chat template).
 
 The requests: copying a file, editing one (a rename, the whole file printed
 again), answering about a tool's output that it quotes, and free prose (which
@@ -73,14 +76,20 @@ def start(draft, extra, tmp):
     raise SystemExit("the server did not start")
 
 
-def ask(port, messages, tokens):
-    body = {"model": "ds4", "messages": messages, "max_tokens": tokens, "temperature": 0}
+def ask(port, messages, tokens, completions):
+    body = {"model": "ds4", "max_tokens": tokens, "temperature": 0}
+    if completions:
+        body["prompt"] = messages[-1]["content"] + "\n\n"
+    else:
+        body["messages"] = messages
+    route = "completions" if completions else "chat/completions"
     req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
+        f"http://127.0.0.1:{port}/v1/{route}",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    return json.load(urllib.request.urlopen(req, timeout=600))["choices"][0]["message"]["content"]
+    choice = json.load(urllib.request.urlopen(req, timeout=600))["choices"][0]
+    return choice["text"] if completions else choice["message"]["content"]
 
 
 def last_request(trace):
@@ -94,6 +103,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--draft-max", type=int, default=7)
+    ap.add_argument("--completions", action="store_true")
     ap.add_argument("extra", nargs="*", help="extra ds4 serve arguments (after --)")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="ds4-spec-")
@@ -105,7 +115,7 @@ def main():
             texts, stats = {}, None
             for _ in range(a.runs):
                 for d, (_, port, trace) in servers.items():
-                    texts[d] = ask(port, messages, a.tokens)
+                    texts[d] = ask(port, messages, a.tokens, a.completions)
                     r = last_request(trace)
                     times[d].append(r["decode_s"])
                     if d:

@@ -281,7 +281,7 @@ fn positive_secs(s: &str) -> Result<f64, String> {
 }
 
 /// A step keeps every row's logits for its draft, at most 64 rows.
-fn draft_tokens(s: &str) -> Result<usize, String> {
+pub fn draft_tokens(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(v) if v <= 63 => Ok(v),
         _ => Err(format!(

@@ -14,10 +14,11 @@
 //! either way). A draft token is accepted with exactly the probability the
 //! model gives it: speculative sampling with a draft that is a point mass.
 //!
-//! [`Drafter`] decides how long a draft is worth: a step's extra tokens cost
-//! about half a decode step each (SmolLM2, Zen 5: 2 tokens 1.6x one, 4 tokens
-//! 2.3x, 8 tokens 4.1x), so it drafts more while drafts are accepted and falls
-//! back to single tokens when they are not.
+//! [`Drafter`] decides how long a draft is worth. A step's extra tokens are
+//! not free (SmolLM2, Zen 5, 2 threads: 2 tokens cost 1.6x one, 4 tokens
+//! 2.3x, 8 tokens 3.6x), so it weighs how often the job's draft tokens were
+//! right against what longer steps cost as measured ([`StepCosts`]), and
+//! drafts nothing where copying does not pay.
 
 /// The shortest suffix of the sequence a draft is looked up by: a match of
 /// one or two tokens says too little about what follows.
@@ -55,73 +56,143 @@ pub fn lookup(history: &[u32], next: u32, max: usize) -> Vec<u32> {
     }
 }
 
-/// How long a draft is worth, from how the job's drafts fared: grows while
-/// whole drafts are accepted, shrinks to what was accepted when one is not.
+/// What a decoding step of several tokens costs against one, as measured:
+/// each step of a slot decoding alone is noted by its token count.
+#[derive(Clone, Debug)]
+pub struct StepCosts {
+    /// Moving average of seconds per step, by tokens (index 0 unused).
+    secs: Vec<Option<f64>>,
+}
+
+/// Weight of a new measurement in [`StepCosts`]' moving averages.
+const COST_WEIGHT: f64 = 0.1;
+/// What each token past the first is assumed to add to a step until measured
+/// (SmolLM2, Zen 5: 2 tokens 1.6x one, 4 tokens 2.3x, 8 tokens 3.6x).
+const PRIOR_EXTRA: f64 = 0.5;
+
+impl StepCosts {
+    /// Costs of steps of up to `max_tokens` tokens.
+    pub fn new(max_tokens: usize) -> Self {
+        StepCosts {
+            secs: vec![None; max_tokens + 1],
+        }
+    }
+
+    /// A step of `tokens` tokens took `secs`.
+    pub fn note(&mut self, tokens: usize, secs: f64) {
+        if let Some(c) = self.secs.get_mut(tokens) {
+            *c = Some(c.map_or(secs, |c| c + COST_WEIGHT * (secs - c)));
+        }
+    }
+
+    /// A step of `tokens` tokens against one of one token: measured where
+    /// both are, else the prior.
+    pub fn relative(&self, tokens: usize) -> f64 {
+        let prior = 1.0 + PRIOR_EXTRA * tokens.saturating_sub(1) as f64;
+        match (
+            self.secs.get(1).copied().flatten(),
+            self.secs.get(tokens).copied().flatten(),
+        ) {
+            (Some(one), Some(n)) if one > 0.0 => (n / one).max(1.0),
+            _ => prior,
+        }
+    }
+}
+
+/// How long a draft is worth, from how often the job's draft tokens turned
+/// out right and what longer steps cost ([`StepCosts`]): the length with the
+/// most expected tokens per cost, none when no length beats a plain step.
+/// Drafts it declines are still checked against the tokens that follow, so
+/// a job that starts copying is noticed without paying for it.
 #[derive(Clone, Debug)]
 pub struct Drafter {
     max: usize,
-    /// The current draft length (1..=max).
-    len: usize,
-    /// Drafts since the last accepted token, for backing off.
-    misses: u32,
-    /// Steps to skip before drafting again.
-    skip: u32,
+    /// Moving average of whether a draft token was right, recent first.
+    rate: f64,
+    /// A declined draft, checked token by token as the output arrives.
+    shadow: Vec<u32>,
     /// Totals over the job: tokens drafted and accepted.
     pub drafted: usize,
     pub accepted: usize,
 }
 
-/// Misses in a row after which drafting pauses, and for how many steps (then
-/// doubling): a stretch of output that copies nothing costs nothing more.
-const MISSES_BEFORE_PAUSE: u32 = 2;
-const PAUSE_STEPS: u32 = 8;
+/// [`Drafter`]'s starting rate: enough to try short drafts.
+const PRIOR_RATE: f64 = 0.7;
+/// Weight of each draft token's outcome in the rate.
+const RATE_WEIGHT: f64 = 0.2;
 
 impl Drafter {
     /// A drafter proposing at most `max` tokens (0: never).
     pub fn new(max: usize) -> Self {
         Drafter {
             max,
-            len: max.min(2),
-            misses: 0,
-            skip: 0,
+            rate: PRIOR_RATE,
+            shadow: Vec::new(),
             drafted: 0,
             accepted: 0,
         }
     }
 
     /// The draft after `history` and `next` (the token the next step
-    /// feeds), at most `room` tokens (what the context and the step allow).
-    /// Empty while drafting is paused or nothing matches.
-    pub fn propose(&mut self, history: &[u32], next: u32, room: usize) -> Vec<u32> {
+    /// feeds), at most `room` tokens (what the context and the step allow),
+    /// as long as it is worth by `costs`. Empty when nothing matches or no
+    /// draft is worth a step.
+    pub fn propose(
+        &mut self,
+        history: &[u32],
+        next: u32,
+        room: usize,
+        costs: &StepCosts,
+    ) -> Vec<u32> {
+        if let Some(&want) = self.shadow.first() {
+            self.learn(next == want);
+            match next == want {
+                true => drop(self.shadow.remove(0)),
+                false => self.shadow.clear(),
+            }
+        }
         if self.max == 0 || room == 0 {
             return vec![];
         }
-        if self.skip > 0 {
-            self.skip -= 1;
+        let mut draft = lookup(history, next, self.max.min(room));
+        // Token k is kept only if all before it are: expected tokens of a
+        // step with k drafted are 1 + r + ... + r^k.
+        let (mut expected, mut p, mut best) = (1.0, 1.0, (1.0, 0));
+        for k in 1..=draft.len() {
+            p *= self.rate;
+            expected += p;
+            let worth = expected / costs.relative(k + 1);
+            if worth > best.0 {
+                best = (worth, k);
+            }
+        }
+        if best.1 == 0 {
+            if self.shadow.is_empty() {
+                self.shadow = draft;
+            }
             return vec![];
         }
-        lookup(history, next, self.len.min(room))
+        self.shadow.clear();
+        draft.truncate(best.1);
+        draft
     }
 
-    /// Notes a verified draft: `accepted` of its `drafted` tokens were kept.
+    /// Notes a verified draft: `accepted` of its `drafted` tokens were kept
+    /// (the first one not kept, if any, was checked too).
     pub fn record(&mut self, drafted: usize, accepted: usize) {
         self.drafted += drafted;
         self.accepted += accepted;
-        if accepted == drafted {
-            self.len = (self.len * 2).min(self.max);
-            self.misses = 0;
-            return;
+        for _ in 0..accepted {
+            self.learn(true);
         }
-        self.len = (accepted + 1).min(self.max);
-        if accepted > 0 {
-            self.misses = 0;
-            return;
+        if accepted < drafted {
+            self.learn(false);
         }
-        self.misses += 1;
-        if self.misses >= MISSES_BEFORE_PAUSE {
-            let doublings = (self.misses - MISSES_BEFORE_PAUSE).min(4);
-            self.skip = PAUSE_STEPS << doublings;
-        }
+    }
+
+    fn learn(&mut self, right: bool) {
+        let x = if right { 1.0 } else { 0.0 };
+        self.rate += RATE_WEIGHT * (x - self.rate);
     }
 }
 
@@ -162,28 +233,46 @@ mod tests {
     }
 
     #[test]
-    fn the_draft_grows_while_accepted_and_pauses_after_misses() {
+    fn drafts_are_as_long_as_they_are_worth() {
         let h: Vec<u32> = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2].to_vec();
-        let mut d = Drafter::new(8);
-        assert_eq!(d.propose(&h, 3, 100), [4, 5]);
-        d.record(2, 2);
-        assert_eq!(d.propose(&h, 3, 100), [4, 5, 6, 7]);
-        // The room left caps it.
-        assert_eq!(d.propose(&h, 3, 3), [4, 5, 6]);
-        d.record(4, 4);
-        d.record(8, 8);
-        assert_eq!(d.propose(&h, 3, 100).len(), 8);
-        d.record(8, 3);
-        assert_eq!(d.propose(&h, 3, 100), [4, 5, 6, 7]);
-        // Two drafts with nothing accepted pause drafting for a while.
-        d.record(4, 0);
-        assert_eq!(d.propose(&h, 3, 100), [4]);
-        d.record(1, 0);
-        for _ in 0..PAUSE_STEPS {
-            assert!(d.propose(&h, 3, 100).is_empty());
+        let costs = StepCosts::new(8);
+        let mut d = Drafter::new(7);
+        // At the prior rate, a few tokens are worth a step.
+        let first = d.propose(&h, 3, 100, &costs).len();
+        assert!((1..7).contains(&first), "{first}");
+        // Whole drafts kept: the longest there is; the room caps it.
+        d.record(first, first);
+        for _ in 0..4 {
+            d.record(7, 7);
         }
-        assert_eq!(d.propose(&h, 3, 100), [4]);
-        assert_eq!((d.drafted, d.accepted), (27, 17));
-        assert!(Drafter::new(0).propose(&h, 3, 100).is_empty());
+        assert_eq!(d.propose(&h, 3, 100, &costs), [4, 5, 6, 7, 8, 9, 10]);
+        assert_eq!(d.propose(&h, 3, 3, &costs), [4, 5, 6]);
+        assert!(Drafter::new(0).propose(&h, 3, 100, &costs).is_empty());
+        // Drafts that miss: none is worth a step; what was declined is
+        // still checked against the output, which raises the rate again.
+        for _ in 0..6 {
+            d.record(2, 0);
+        }
+        assert!(d.propose(&h, 3, 100, &costs).is_empty());
+        assert!(!d.shadow.is_empty());
+        let mut fed = h.clone();
+        fed.push(3);
+        let mut next = 4;
+        while d.propose(&fed, next, 100, &costs).is_empty() {
+            fed.push(next);
+            next += 1;
+            assert!(next < 12, "the shadow never raised the rate");
+        }
+        assert_eq!((d.drafted, d.accepted), (first + 28 + 12, first + 28));
+        // Measured costs rule: steps of two tokens as dear as two steps make
+        // every draft a loss whatever the rate.
+        let mut dear = StepCosts::new(8);
+        dear.note(1, 1.0);
+        (2..=8).for_each(|n| dear.note(n, n as f64));
+        let mut d = Drafter::new(7);
+        d.record(7, 7);
+        assert!(d.propose(&h, 3, 100, &dear).is_empty());
+        assert_eq!(dear.relative(4), 4.0);
+        assert_eq!(StepCosts::new(8).relative(3), 1.0 + 2.0 * PRIOR_EXTRA);
     }
 }

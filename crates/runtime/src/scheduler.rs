@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
-use ds4_engine::speculate::Drafter;
+use ds4_engine::speculate::{Drafter, StepCosts};
 use ds4_engine::{Batch, EngineError, Sampler, Session, ThreadPool};
 use ds4_kvstore::SaveReason;
 
@@ -303,6 +303,7 @@ impl Runtime {
                     notices,
                     quantum: cfg.prefill_quantum,
                     draft_max: cfg.draft_max,
+                    step_costs: StepCosts::new(cfg.draft_max + 1),
                     pace: Pace::default(),
                     split,
                 };
@@ -436,6 +437,8 @@ struct Engine {
     notices: NoticeSink,
     quantum: PrefillQuantum,
     draft_max: usize,
+    /// What a lone decoder's steps cost by their tokens (drafts' worth).
+    step_costs: StepCosts,
     pace: Pace,
     /// Under [`PrefillQuantum::Auto`] with two threads or more: the prefill
     /// lane and the threads the decoders step on while it runs.
@@ -911,14 +914,22 @@ impl Engine {
             .iter()
             .filter(|s| s.run.as_ref().is_some_and(|r| r.pending.is_some()))
             .count();
+        // Drafts only for a slot decoding alone: a step of several decoders
+        // already reads each weight once for all of them, and a draft's rows
+        // both cost more there and stop them sharing the attention over a
+        // common prefix (`ds4 bench --sessions 2`, warm: 267-280 t/s in all
+        // without drafts, 234-241 with).
+        let mut draft_rows = match n_decoding {
+            1 => self.draft_max.min(rows_left.saturating_sub(1)),
+            _ => 0,
+        };
         for s in &mut self.slots {
             let Some(r) = &mut s.run else { continue };
             if r.pending.is_some() {
-                // Every decoder's own token first; drafts share what is left.
-                let room = rows_left.saturating_sub(n_decoding - feeds.len());
-                r.draft.truncate(room.saturating_sub(1));
+                r.draft.truncate(draft_rows);
+                draft_rows -= r.draft.len();
                 feeds.push((s.id, Feed::Decode));
-                rows_left -= 1 + r.draft.len();
+                rows_left = rows_left.saturating_sub(1 + r.draft.len());
             }
         }
         let mut lane_free = self.split.as_ref().is_some_and(|s| s.lane.busy().is_none());
@@ -1003,6 +1014,9 @@ impl Engine {
         if decode_pool.is_none() {
             // Steps on a share of the threads say nothing of a whole step.
             self.pace.note(elapsed, decoding, prefilled);
+            if let ([(_, Feed::Decode)], [fed]) = (&feeds[..], &decoded[..]) {
+                self.step_costs.note(fed.len(), elapsed);
+            }
         }
         if let Err(e) = result {
             for (i, _) in &feeds {
@@ -1246,7 +1260,9 @@ impl Engine {
             Next::Feed(t) => {
                 run.pending = Some((t, None));
                 let room = slot.session.max_draft(self.draft_max);
-                run.draft = run.drafter.propose(slot.session.tokens(), t, room);
+                run.draft = run
+                    .drafter
+                    .propose(slot.session.tokens(), t, room, &self.step_costs);
             }
             Next::FeedAndFinish(t, f) => {
                 if slot.session.tokens().len() < slot.session.n_ctx() {

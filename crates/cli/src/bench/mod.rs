@@ -178,6 +178,17 @@ pub struct BenchArgs {
         requires = "sessions"
     )]
     pub mixed_prefill_quantum: ds4_runtime::PrefillQuantum,
+    /// Draft tokens a decoding step may carry (as `ds4 serve --draft-max`;
+    /// 0: no speculative decoding).
+    #[arg(
+        long,
+        default_value_t = ds4_runtime::DRAFT_MAX,
+        value_name = "N",
+        help_heading = "Sessions",
+        requires = "sessions",
+        value_parser = crate::serve::draft_tokens
+    )]
+    pub draft_max: usize,
 }
 
 /// A token or repetition count of at least 1.

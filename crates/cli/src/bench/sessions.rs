@@ -90,7 +90,7 @@ pub fn run(a: &BenchArgs, slots: usize) -> Result<()> {
         RuntimeConfig {
             prefill_quantum: a.mixed_prefill_quantum,
             queue_max: clients.max(64),
-            ..RuntimeConfig::default()
+            draft_max: a.draft_max,
         },
         ds4_runtime::discard(),
     );
