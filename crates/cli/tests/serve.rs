@@ -1153,6 +1153,75 @@ fn metrics_count_requests_tokens_and_cache_hits() {
     );
 }
 
+/// Speculative decoding over HTTP: a request that copies its prompt gets
+/// the same answer, plain and streamed, with the same log-probabilities,
+/// from a server drafting and one with `--draft-max 0`; the drafted and kept
+/// tokens show in the trace and `/metrics`.
+#[test]
+fn drafts_leave_answers_unchanged_and_are_counted() {
+    let story = include_str!("../../../bench/carrow_point.txt");
+    let passage = &story[..story.len().min(1500)];
+    let prompt = format!("{passage}\n\n{}", &passage[..200]);
+    let body = json!({"prompt": prompt, "max_tokens": 48, "temperature": 0, "logprobs": 2});
+    let dir = temp_dir("drafts");
+    let trace = dir.join("trace.jsonl");
+    let answers = |args: &[&str]| {
+        let srv = Server::start(args);
+        let plain = post(srv.port, "/v1/completions", &body);
+        assert_eq!(plain.status, 200, "{}", plain.body);
+        let streamed = post(
+            srv.port,
+            "/v1/completions",
+            &merged(body.clone(), json!({"stream": true})),
+        );
+        let text: String = sse_json(&streamed.body)
+            .iter()
+            .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
+            .collect();
+        let metrics = request(srv.port, "GET", "/metrics", b"", &[]).body;
+        let v = plain.json();
+        (
+            v["choices"][0]["text"].clone(),
+            v["choices"][0]["logprobs"].clone(),
+            text,
+            metrics,
+        )
+    };
+    let trace_arg = trace.to_str().unwrap();
+    let (text0, lp0, streamed0, _) = answers(&["--no-kv-disk", "--draft-max", "0"]);
+    let (text, lp, streamed, metrics) = answers(&["--no-kv-disk", "--trace", trace_arg]);
+    assert_eq!(text, text0);
+    assert_eq!(lp, lp0);
+    assert_eq!(streamed, streamed0);
+    assert_eq!(Some(streamed.as_str()), text.as_str());
+    let counter = |name: &str| -> u64 {
+        let line = metrics
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("{name} missing"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let (drafted, kept) = (
+        counter("ds4_draft_tokens_total "),
+        counter("ds4_draft_accepted_tokens_total "),
+    );
+    assert!(kept > 0 && kept <= drafted, "{kept} of {drafted}");
+    let requests: Vec<Value> = trace_lines(&trace)
+        .into_iter()
+        .filter(|r| r["event"] == "request")
+        .collect();
+    let traced: u64 = requests
+        .iter()
+        .map(|r| r["draft_tokens"].as_u64().unwrap())
+        .sum();
+    let traced_kept: u64 = requests
+        .iter()
+        .map(|r| r["accepted_draft_tokens"].as_u64().unwrap())
+        .sum();
+    assert_eq!((traced, traced_kept), (drafted, kept));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn sigterm_during_a_long_prefill_cancels_it_and_exits_promptly() {
     let srv = Server::start(&["--no-kv-disk", "--prefill-chunk", "64"]);
