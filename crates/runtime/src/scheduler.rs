@@ -1259,7 +1259,12 @@ impl Engine {
         match next {
             Next::Feed(t) => {
                 run.pending = Some((t, None));
-                let room = slot.session.max_draft(self.draft_max);
+                // A kept draft token is a generated one: none past the limit.
+                let left = run
+                    .gen
+                    .as_ref()
+                    .map_or(0, |g| run.max_tokens.saturating_sub(g.generated));
+                let room = slot.session.max_draft(self.draft_max.min(left));
                 run.draft = run
                     .drafter
                     .propose(slot.session.tokens(), t, room, &self.step_costs);

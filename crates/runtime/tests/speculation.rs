@@ -1,8 +1,9 @@
 //! Speculative decoding (prompt-lookup drafts), per family: the text, the
 //! finish, the token log-probabilities and their alternatives are exactly
 //! those of the same jobs without drafts — greedy and sampled with a seed,
-//! with a stop sequence, two slots decoding side by side — and on a prompt
-//! that repeats itself the real models' drafts are mostly kept.
+//! with a stop sequence, each decoding alone (where drafts are made) and
+//! both side by side (where they are not, until one is left) — and on a
+//! prompt that repeats itself the real models' drafts are mostly kept.
 
 mod common;
 #[path = "../../engine/tests/families/mod.rs"]
@@ -53,9 +54,16 @@ struct Spec {
     stop: Vec<String>,
 }
 
-/// Runs `specs` on `ids`, all submitted at once to a runtime of two slots
-/// with `draft_max`: each job's answer, and the drafted and kept totals.
-fn run(f: &Family, ids: &[u32], specs: &[Spec], draft_max: usize) -> (Vec<Answer>, usize, usize) {
+/// Runs `specs` on `ids` on a runtime of two slots with `draft_max`, all
+/// submitted at once (`together`) or each after the last is done: each
+/// job's answer, and the drafted and kept totals.
+fn run(
+    f: &Family,
+    ids: &[u32],
+    specs: &[Spec],
+    draft_max: usize,
+    together: bool,
+) -> (Vec<Answer>, usize, usize) {
     let model = families::model(f);
     let pool = Arc::new(ThreadPool::new(2));
     let opts = SessionOptions {
@@ -78,10 +86,11 @@ fn run(f: &Family, ids: &[u32], specs: &[Spec], draft_max: usize) -> (Vec<Answer
     };
     let rt = Runtime::start(sessions, pool, None, cfg, sink);
     let prompt = String::from_utf8_lossy(&model.tokenizer.prompt_text(ids)).into_owned();
+    let mut answers = Vec::new();
     let receivers: Vec<_> = specs
         .iter()
         .enumerate()
-        .map(|(i, s)| {
+        .filter_map(|(i, s)| {
             let (mut job, rx) = greedy_job(&prompt, ids.to_vec(), 48, &[&format!("c{i}")], vec![]);
             job.sampling = SamplerConfig {
                 temperature: s.temperature,
@@ -91,10 +100,16 @@ fn run(f: &Family, ids: &[u32], specs: &[Spec], draft_max: usize) -> (Vec<Answer
             job.logprobs = Some(3);
             job.stop = s.stop.clone();
             rt.handle.submit(job).unwrap();
-            rx
+            match together {
+                true => Some(rx),
+                false => {
+                    answers.push(answer(rx));
+                    None
+                }
+            }
         })
         .collect();
-    let answers = receivers.into_iter().map(answer).collect();
+    answers.extend(receivers.into_iter().map(answer));
     rt.handle.begin_shutdown();
     rt.join();
     let (mut drafted, mut accepted) = (0, 0);
@@ -133,10 +148,16 @@ fn drafts_never_change_an_answer(f: &Family) {
             },
         ]
     };
-    let (plain, none, _) = run(f, &ids, &specs(vec![]), 0);
+    let (plain, none, _) = run(f, &ids, &specs(vec![]), 0, false);
     assert_eq!(none, 0, "drafted with --draft-max 0");
-    let (drafted, n, kept) = run(f, &ids, &specs(vec![]), 7);
+    let (drafted, n, kept) = run(f, &ids, &specs(vec![]), 7, false);
     assert_eq!(plain, drafted, "{}: drafts changed an answer", f.name);
+    let (side_by_side, _, _) = run(f, &ids, &specs(vec![]), 7, true);
+    assert_eq!(
+        plain, side_by_side,
+        "{}: drafts changed a batched answer",
+        f.name
+    );
     assert!(kept <= n);
     if f.name != "deepseek4" {
         // The tiny synthetic model copies nothing; the real ones copy the
@@ -155,8 +176,8 @@ fn drafts_never_change_an_answer(f: &Family) {
         .find(|&i| i >= text.len() / 2 && text.is_char_boundary(i + 3.min(text.len() - i)))
         .map(|i| text[i..(i + 3).min(text.len())].to_string());
     if let Some(stop) = stop.filter(|s| !s.trim().is_empty()) {
-        let (plain, _, _) = run(f, &ids, &specs(vec![stop.clone()]), 0);
-        let (drafted, _, _) = run(f, &ids, &specs(vec![stop.clone()]), 7);
+        let (plain, _, _) = run(f, &ids, &specs(vec![stop.clone()]), 0, false);
+        let (drafted, _, _) = run(f, &ids, &specs(vec![stop.clone()]), 7, false);
         assert_eq!(plain[0].finish, FinishReason::Stop, "{stop:?}");
         assert_eq!(
             plain, drafted,
