@@ -11,8 +11,9 @@ server's trace (`decode_s`, so prefill is left out).
 a base model such as `-m gemma3`, which has no chat template).
 
 The requests: copying a file, editing one (a rename, the whole file printed
-again), answering about a tool's output that it quotes, and free prose (which
-copies little: what drafting costs where it rarely helps).
+again), answering about a tool's output that it quotes, free prose (which
+copies little: what drafting costs where it rarely helps), and a forced tool
+call with several arguments (chat only: what its grammar forces is drafted).
 
 Standard library only; runs target/release/ds4 (build it first)."""
 
@@ -48,7 +49,23 @@ def requests():
             "List every file it names, with its line count change."
         ),
         "prose": user("Write a long story about a lighthouse keeper during a storm."),
+        "call": (
+            user("Book a table for 4 at Chez Marie in Lyon on March 3 at 8 pm, "
+                 "by the window, and tell them it is a birthday."),
+            {"tools": [CALL_TOOL], "tool_choice": "required"},
+        ),
     }
+
+
+CALL_TOOL = {"type": "function", "function": {
+    "name": "book_table", "description": "Book a restaurant table",
+    "parameters": {"type": "object", "additionalProperties": False, "properties": {
+        "restaurant": {"type": "string"}, "city": {"type": "string"},
+        "date": {"type": "string"}, "time": {"type": "string"},
+        "guests": {"type": "integer"}, "seating": {"type": "string", "enum": ["window", "bar", "terrace"]},
+        "occasion": {"type": "string"}, "notes": {"type": "string"}},
+        "required": ["restaurant", "city", "date", "time", "guests", "seating", "occasion", "notes"]},
+}}
 
 
 def free_port():
@@ -76,8 +93,9 @@ def start(draft, extra, tmp):
     raise SystemExit("the server did not start")
 
 
-def ask(port, messages, tokens, completions):
-    body = {"model": "ds4", "max_tokens": tokens, "temperature": 0}
+def ask(port, request, tokens, completions):
+    messages, extra = request if isinstance(request, tuple) else (request, {})
+    body = {"model": "ds4", "max_tokens": tokens, "temperature": 0, **extra}
     if completions:
         body["prompt"] = messages[-1]["content"] + "\n\n"
     else:
@@ -89,7 +107,11 @@ def ask(port, messages, tokens, completions):
         headers={"Content-Type": "application/json"},
     )
     choice = json.load(urllib.request.urlopen(req, timeout=600))["choices"][0]
-    return choice["text"] if completions else choice["message"]["content"]
+    if completions:
+        return choice["text"]
+    calls = choice["message"].get("tool_calls") or []
+    # Call ids are fresh per answer: compare names and arguments.
+    return choice["message"]["content"] or json.dumps([c["function"] for c in calls])
 
 
 def last_request(trace):
@@ -111,6 +133,8 @@ def main():
     try:
         print("request  tokens  plain t/s  drafted t/s  ratio  accepted/drafted")
         for name, messages in requests().items():
+            if a.completions and isinstance(messages, tuple):
+                continue
             times = {0: [], a.draft_max: []}
             texts, stats = {}, None
             for _ in range(a.runs):

@@ -244,3 +244,68 @@ fn an_unclosed_call_degrades_to_text_with_a_trace_event() {
         "{events}"
     );
 }
+
+/// What a grammar forces (a call's keys and punctuation, a schema's fixed
+/// text) is drafted and kept: forced calls and structured output are the
+/// same with and without drafts, and with them most of the output comes in
+/// kept draft tokens.
+#[test]
+fn forced_text_is_drafted_and_answers_are_unchanged() {
+    let schema = json!({"type": "json_schema", "json_schema": {"name": "place", "schema": {
+        "type": "object", "additionalProperties": false,
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                       "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "country", "unit"]}}});
+    let bodies = [
+        json!({ "messages": [user()], "tools": tools(), "temperature": 0, "max_tokens": 48,
+                "tool_choice": { "type": "function", "function": { "name": "get_weather" } } }),
+        json!({ "messages": [user()], "temperature": 0, "max_tokens": 48, "response_format": schema }),
+    ];
+    let dir = temp_dir("tools-drafts");
+    let trace = dir.join("trace.jsonl");
+    let answers = |args: &[&str]| -> Vec<Value> {
+        let srv = Server::start(args);
+        let out = bodies
+            .iter()
+            .map(|b| {
+                let r = post(srv.port, "/v1/chat/completions", b);
+                assert_eq!(r.status, 200, "{}", r.body);
+                let mut m = r.json()["choices"][0]["message"].clone();
+                // Call ids are fresh per answer.
+                if let Some(calls) = m["tool_calls"].as_array_mut() {
+                    calls.iter_mut().for_each(|c| c["id"] = Value::Null);
+                }
+                m
+            })
+            .collect();
+        srv.stop();
+        out
+    };
+    let plain = answers(&["--no-kv-disk", "--draft-max", "0"]);
+    let drafted = answers(&["--no-kv-disk", "--trace", trace.to_str().unwrap()]);
+    assert_eq!(plain, drafted);
+    assert_eq!(
+        drafted[0]["tool_calls"][0]["function"]["name"],
+        "get_weather"
+    );
+    let content: Value = serde_json::from_str(drafted[1]["content"].as_str().unwrap()).unwrap();
+    assert!(content["unit"].is_string(), "{content}");
+    let lines = std::fs::read_to_string(&trace).unwrap();
+    for r in lines
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+    {
+        if r["event"] != "request" {
+            continue;
+        }
+        let (kept, generated) = (
+            r["accepted_draft_tokens"].as_u64().unwrap(),
+            r["generated_tokens"].as_u64().unwrap(),
+        );
+        assert!(
+            kept * 3 >= generated,
+            "{kept} of {generated} tokens came in drafts: {r}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

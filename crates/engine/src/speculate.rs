@@ -111,6 +111,9 @@ pub struct Drafter {
     rate: f64,
     /// A declined draft, checked token by token as the output arrives.
     shadow: Vec<u32>,
+    /// Whether the last draft was one a grammar forced (not a lookup: its
+    /// outcome says nothing of how well lookups do).
+    forced: bool,
     /// Totals over the job: tokens drafted and accepted.
     pub drafted: usize,
     pub accepted: usize,
@@ -128,6 +131,7 @@ impl Drafter {
             max,
             rate: PRIOR_RATE,
             shadow: Vec::new(),
+            forced: false,
             drafted: 0,
             accepted: 0,
         }
@@ -144,13 +148,8 @@ impl Drafter {
         room: usize,
         costs: &StepCosts,
     ) -> Vec<u32> {
-        if let Some(&want) = self.shadow.first() {
-            self.learn(next == want);
-            match next == want {
-                true => drop(self.shadow.remove(0)),
-                false => self.shadow.clear(),
-            }
-        }
+        self.observe(next);
+        self.forced = false;
         if self.max == 0 || room == 0 {
             return vec![];
         }
@@ -177,11 +176,37 @@ impl Drafter {
         draft
     }
 
+    /// The draft after `next` when a grammar forces `tokens` next (see
+    /// `Constraint::forced` in the grammar crate): the model keeps them
+    /// unless it spells them otherwise, so they are worth any step; at most
+    /// `room` of them.
+    pub fn propose_forced(&mut self, next: u32, mut tokens: Vec<u32>, room: usize) -> Vec<u32> {
+        self.observe(next);
+        self.shadow.clear();
+        self.forced = true;
+        tokens.truncate(self.max.min(room));
+        tokens
+    }
+
+    /// Checks the declined draft against the token just chosen.
+    fn observe(&mut self, next: u32) {
+        if let Some(&want) = self.shadow.first() {
+            self.learn(next == want);
+            match next == want {
+                true => drop(self.shadow.remove(0)),
+                false => self.shadow.clear(),
+            }
+        }
+    }
+
     /// Notes a verified draft: `accepted` of its `drafted` tokens were kept
     /// (the first one not kept, if any, was checked too).
     pub fn record(&mut self, drafted: usize, accepted: usize) {
         self.drafted += drafted;
         self.accepted += accepted;
+        if self.forced {
+            return;
+        }
         for _ in 0..accepted {
             self.learn(true);
         }

@@ -224,6 +224,19 @@ impl Constraint {
             .map_err(|e| GrammarError::Refused(e.to_string()))
     }
 
+    /// The tokens the grammar forces next whatever the model prefers (a
+    /// schema's fixed keys and punctuation, a tool's name once its start
+    /// settles it, a call's closing markup), split as the tokenizer splits
+    /// them: a draft that the model keeps unless it spells the same bytes
+    /// with other tokens. Empty where the next token is free or the grammar
+    /// has stopped.
+    pub fn forced(&mut self) -> Vec<u32> {
+        match self.matcher.is_stopped() {
+            true => vec![],
+            false => self.matcher.compute_ff_tokens(),
+        }
+    }
+
     /// Whether the output so far is a complete sentence of the grammar.
     pub fn is_complete(&mut self) -> bool {
         self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false)

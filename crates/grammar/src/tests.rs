@@ -173,3 +173,43 @@ fn greedy_generation_follows_a_json_schema() {
     assert_eq!(o.len(), 3, "{text}");
     assert!(o["city"].is_string() && o["population"].is_i64() && o["capital"].is_boolean());
 }
+
+#[test]
+fn fixed_text_is_forced_and_free_text_is_not() {
+    let (v, _) = vocab();
+    let tok = &model().tokenizer;
+    let text = |ids: &[u32]| String::from_utf8_lossy(&tok.prompt_text(ids)).into_owned();
+    let schema = r#"{"type":"object","properties":{"city":{"type":"string"},"unit":{"type":"string","enum":["celsius"]}},"required":["city","unit"],"additionalProperties":false,"x-guidance":{"whitespace_flexible":false,"item_separator":", ","key_separator":": "}}"#;
+    let mut c = v.constraint(&format!("start: %json {schema}")).unwrap();
+    // The opening and the first key are fixed: forced, and each forced token
+    // is one the mask allows in turn.
+    let forced = c.forced();
+    assert!(!forced.is_empty());
+    assert!(
+        r#"{"city": ""#.starts_with(&text(&forced)),
+        "{:?}",
+        text(&forced)
+    );
+    for &t in &forced {
+        assert!(allowed(&mut c).contains(&t));
+        c.commit(&[t]).unwrap();
+    }
+    // The rest of the opening (a last token the tokenizer might extend is
+    // left free), then inside the string value: nothing is forced.
+    let opening = r#"{"city": ""#;
+    let rest = &opening[text(&forced).len()..];
+    c.commit(&tok.encode(rest, false, false)).unwrap();
+    c.commit(&tok.encode("Paris", false, false)).unwrap();
+    assert!(c.forced().is_empty());
+    // Once the value closes, the rest is fixed up to the enum's only value.
+    c.commit(&tok.encode("\"", false, false)).unwrap();
+    let rest = text(&c.forced());
+    assert!(
+        !rest.is_empty() && r#", "unit": "celsius"}"#.starts_with(&rest),
+        "{rest:?}"
+    );
+    // A grammar that has stopped forces nothing.
+    let mut done = v.constraint(r#"start: "ok""#).unwrap();
+    done.commit(&tok.encode("ok", false, false)).unwrap();
+    assert!(done.forced().is_empty());
+}

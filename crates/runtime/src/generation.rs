@@ -247,6 +247,19 @@ impl Guard {
         }
     }
 
+    /// The tokens the grammar forces next while it holds the output
+    /// (`Constraint::forced`; timed with the masks).
+    pub fn forced(&mut self) -> Vec<u32> {
+        let active = self.active;
+        let Some(g) = self.gate.as_mut().filter(|_| active) else {
+            return vec![];
+        };
+        let t = Instant::now();
+        let forced = g.constraint.forced();
+        self.mask_s += t.elapsed().as_secs_f64();
+        forced
+    }
+
     fn drop_gate(&mut self, why: String) {
         self.gate = None;
         self.active = false;

@@ -1265,9 +1265,18 @@ impl Engine {
                     .as_ref()
                     .map_or(0, |g| run.max_tokens.saturating_sub(g.generated));
                 let room = slot.session.max_draft(self.draft_max.min(left));
-                run.draft = run
-                    .drafter
-                    .propose(slot.session.tokens(), t, room, &self.step_costs);
+                // What a grammar forces is drafted first: kept unless the
+                // model spells it with other tokens.
+                let forced = match (room, run.gen.as_mut()) {
+                    (1.., Some(g)) => g.guard.forced(),
+                    _ => vec![],
+                };
+                run.draft = match forced.is_empty() {
+                    true => run
+                        .drafter
+                        .propose(slot.session.tokens(), t, room, &self.step_costs),
+                    false => run.drafter.propose_forced(t, forced, room),
+                };
             }
             Next::FeedAndFinish(t, f) => {
                 if slot.session.tokens().len() < slot.session.n_ctx() {
