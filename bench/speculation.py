@@ -33,9 +33,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def requests():
     src = open(os.path.join(ROOT, "crates/kernels/src/pool.rs")).read()[:2400]
+    # A fixed commit, so the request is the same whatever was committed since.
     listing = subprocess.run(
-        ["git", "-C", ROOT, "log", "--stat", "-3", "--format=%s"],
-        capture_output=True, text=True,
+        ["git", "-C", ROOT, "show", "--stat", "--format=%s", "5d1ed4c"],
+        capture_output=True, text=True, check=True,
     ).stdout[:2400]
     user = lambda text: [{"role": "user", "content": text}]
     return {
@@ -45,7 +46,7 @@ def requests():
             "Rename `ThreadPool` to `WorkerPool` everywhere and print the whole file."
         ),
         "tool": user(
-            "The command `git log --stat -3` printed:\n```\n" + listing + "\n```\n"
+            "The command `git show --stat 5d1ed4c` printed:\n```\n" + listing + "\n```\n"
             "List every file it names, with its line count change."
         ),
         "prose": user("Write a long story about a lighthouse keeper during a storm."),
