@@ -504,6 +504,17 @@ struct Choice {
     save_first: bool,
 }
 
+/// What [`Engine::choose`] decides for a waiting job.
+enum Chosen {
+    /// It starts now.
+    Start(Choice),
+    /// It waits for a prompt a busy slot is prefilling, to be forked from it
+    /// into an idle slot the moment that is done.
+    Prefill,
+    /// It waits for a slot: any, or the one saving its conversation.
+    Slot,
+}
+
 /// What one slot feeds in a step.
 enum Feed {
     /// Prompt tokens `from..to` of its plan.
@@ -581,13 +592,32 @@ impl Engine {
 
     /// Gives waiting jobs idle slots, first come first served.
     fn assign_waiting(&mut self) {
-        while let Some((job, _)) = self.waiting.front() {
-            let Some(choice) = self.choose(job) else {
+        // A job waiting for a prompt being prefilled keeps an idle slot for
+        // its fork; the jobs behind it may start on the others, rather than
+        // waiting behind it for that prefill.
+        let mut kept = 0;
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let idle = self
+                .slots
+                .iter()
+                .filter(|s| s.run.is_none() && s.lent.is_none())
+                .count();
+            if idle <= kept {
                 return;
-            };
-            let (job, queued) = self.waiting.pop_front().expect("a waiting job");
-            self.prepare_slot(choice);
-            self.start_job(choice.slot, job, queued);
+            }
+            match self.choose(&self.waiting[i].0) {
+                Chosen::Start(choice) => {
+                    let (job, queued) = self.waiting.remove(i).expect("a waiting job");
+                    self.prepare_slot(choice);
+                    self.start_job(choice.slot, job, queued);
+                }
+                Chosen::Prefill => {
+                    kept += 1;
+                    i += 1;
+                }
+                Chosen::Slot => i += 1,
+            }
         }
     }
 
@@ -607,7 +637,15 @@ impl Engine {
     /// one; a job sharing more with a prompt being prefilled than any idle
     /// slot holds waits for it, then forks from it (see the loop below); a
     /// job sharing more with a conversation being saved waits for it.
-    fn choose(&self, job: &Job) -> Option<Choice> {
+    fn choose(&self, job: &Job) -> Chosen {
+        match self.choice(job) {
+            Ok(c) => Chosen::Start(c),
+            Err(wait) => wait,
+        }
+    }
+
+    /// [`choose`](Self::choose), with what the job waits for as the error.
+    fn choice(&self, job: &Job) -> Result<Choice, Chosen> {
         let idle = || {
             self.slots
                 .iter()
@@ -634,7 +672,8 @@ impl Engine {
             return best
                 .map(|(_, id)| id)
                 .or_else(|| least_valuable(None))
-                .map(at);
+                .map(at)
+                .ok_or(Chosen::Slot);
         }
         // What each idle slot holds of the job: (slot, reusable tokens, tokens
         // it holds beyond them), computed once.
@@ -656,8 +695,8 @@ impl Engine {
         // more than any idle slot holds (a request's several choices, agents
         // sent out together with one system prompt and tool list): it waits
         // for that prefill rather than paying for the shared part again
-        // beside it — when the wait is no longer than what it saves — and
-        // starts from a copy of it the moment it is done.
+        // beside it — unless that prefill has far more left than it saves
+        // (below) — and starts from a copy of it the moment it is done.
         for s in self.slots.iter().filter(|s| s.lent.is_none()) {
             let Some(r) = &s.run else { continue };
             let shared = shared_prefix(&r.plan.ids, &job.ids);
@@ -667,14 +706,22 @@ impl Engine {
             let held = s.session.tokens().len();
             let just_prefilled = s.in_lane.is_none() && r.gen.is_some() && held == r.plan.ids.len();
             if just_prefilled {
-                return least_valuable(None).map(|slot| Choice {
-                    slot,
-                    fork_from: Some(s.id),
-                    save_first: false,
-                });
+                return least_valuable(None)
+                    .map(|slot| Choice {
+                        slot,
+                        fork_from: Some(s.id),
+                        save_first: false,
+                    })
+                    .ok_or(Chosen::Prefill);
             }
-            if r.gen.is_none() && r.plan.ids.len() - held <= shared {
-                return None;
+            // Started now, it would prefill all of its tokens beside that
+            // prefill, sharing the threads; waiting, the rest of that prefill
+            // and then its own part. Waiting is quicker unless that prefill has
+            // much more left than this job has tokens (a short job sharing a
+            // system prompt with a long cold one).
+            let left = r.plan.ids.len() - held;
+            if r.gen.is_none() && left < job.ids.len() + shared {
+                return Err(Chosen::Prefill);
             }
         }
         let waits_for_lent = self.slots.iter().any(|s| {
@@ -684,7 +731,7 @@ impl Engine {
             }) || (s.lent.is_some() && job.affinity.iter().any(|k| s.keys.contains(k)))
         });
         if waits_for_lent || reuses.is_empty() {
-            return None;
+            return Err(Chosen::Slot);
         }
         let longest = |keep: &dyn Fn(usize, usize) -> bool| {
             reuses
@@ -694,17 +741,17 @@ impl Engine {
                 .copied()
         };
         if let Some((s, _, _)) = longest(&|reused, lost| reused > 0 && lost == 0) {
-            return Some(at(s.id));
+            return Ok(at(s.id));
         }
         if let Some(s) = idle().find(|s| job.affinity.iter().any(|k| s.keys.contains(k))) {
-            return Some(at(s.id));
+            return Ok(at(s.id));
         }
         if let Some((s, _, lost)) = longest(&|reused, _| reused >= worth) {
             // Fork when what the cut would lose is worth more than what the
             // copy replaces.
             let fork_to =
                 least_valuable(Some(s.id)).filter(|&o| self.slots[o].session.tokens().len() < lost);
-            return Some(match fork_to {
+            return Ok(match fork_to {
                 Some(other) => Choice {
                     slot: other,
                     fork_from: Some(s.id),
@@ -716,7 +763,7 @@ impl Engine {
                 },
             });
         }
-        least_valuable(None).map(at)
+        least_valuable(None).map(at).ok_or(Chosen::Slot)
     }
 
     /// Before a job takes a slot: the state the choice replaces or cuts back is

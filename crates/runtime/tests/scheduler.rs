@@ -500,6 +500,37 @@ fn jobs_sharing_a_prompt_being_prefilled_start_from_a_copy_of_it() {
     assert_eq!(slots, [0, 1, 2]);
 }
 
+/// A job waiting for a prompt being prefilled holds up no one behind it: an
+/// unrelated job starts on a free slot at once (one idle slot stays kept for
+/// the waiting job's fork), and the waiting job still starts from a copy.
+#[test]
+fn jobs_behind_one_waiting_for_a_prefill_start_on_free_slots() {
+    let story = "The harbour was quiet that night, and the keeper watched the sea. ".repeat(60);
+    let same = chat(&story);
+    let rt = Rt::start(3, None, RuntimeConfig::default());
+    let rxs = [
+        rt.submit(&same, 4, &[]),
+        rt.submit(&same, 4, &[]),
+        rt.submit(&chat("What is 2 + 2?"), 4, &[]),
+    ];
+    let [a, b, c] = rxs.map(collect);
+    assert_eq!(
+        b.2.cached_tokens, b.2.prompt_tokens,
+        "{:?}",
+        b.2.cache_source
+    );
+    // B waited for A's prefill (about a second on two threads); C did not.
+    assert!(
+        c.2.queue_s * 4.0 < b.2.queue_s,
+        "C queued {:.3} s, B {:.3} s",
+        c.2.queue_s,
+        b.2.queue_s
+    );
+    let mut slots = [a.2.slot, b.2.slot, c.2.slot];
+    slots.sort();
+    assert_eq!(slots, [0, 1, 2]);
+}
+
 /// A client that leaves while its prompt is in the prefill lane: the slot
 /// gets its session back, ends the job, and serves the same prompt next
 /// exactly as a fresh run does (from what the lane had prefilled).
