@@ -455,11 +455,30 @@ fn a_scored_prompt_reuses_the_scores_of_a_shared_context() {
     assert!(more == cold(&b, 4));
 }
 
-/// Jobs that arrive while another prefills a prompt they share (a request's
-/// several choices, agents sent out together with one system prompt) wait for
-/// that prefill and start from a copy of it: the same prompt reuses all of it,
-/// one that goes on differently reuses the shared part; each answers as it
-/// does alone.
+/// Three jobs on three slots at once: a long prompt, the same again (which
+/// waits for the first one's prefill and starts from a copy of it, reusing
+/// it whole) and `third`. Their text, finish and usage, each on its own slot.
+fn same_twice_then(third: &str) -> [(String, ds4_runtime::FinishReason, ds4_runtime::Usage); 3] {
+    let story = "The harbour was quiet that night, and the keeper watched the sea. ".repeat(60);
+    let same = chat(&story);
+    let rt = Rt::start(3, None, RuntimeConfig::default());
+    let rxs = [
+        rt.submit(&same, 6, &[]),
+        rt.submit(&same, 6, &[]),
+        rt.submit(third, 6, &[]),
+    ];
+    let jobs = rxs.map(collect);
+    let b = &jobs[1].2;
+    assert_eq!(b.cached_tokens, b.prompt_tokens, "{:?}", b.cache_source);
+    let mut slots = jobs.each_ref().map(|j| j.2.slot);
+    slots.sort();
+    assert_eq!(slots, [0, 1, 2]);
+    jobs
+}
+
+/// Jobs sharing a prompt being prefilled start from a copy of it: the same
+/// prompt reuses all of it, a diverging one the shared part, and every
+/// answer is its solo one.
 #[test]
 fn jobs_sharing_a_prompt_being_prefilled_start_from_a_copy_of_it() {
     let story = "The harbour was quiet that night, and the keeper watched the sea. ".repeat(60);
@@ -472,32 +491,18 @@ fn jobs_sharing_a_prompt_being_prefilled_start_from_a_copy_of_it() {
             .map(|p| collect(rt.submit(p, 6, &[])).0)
             .collect()
     };
-    let rt = Rt::start(3, None, RuntimeConfig::default());
-    let rxs = [
-        rt.submit(&same, 6, &[]),
-        rt.submit(&same, 6, &[]),
-        rt.submit(&other, 6, &[]),
-    ];
-    let [a, b, c] = rxs.map(collect);
+    let [a, b, c] = same_twice_then(&other);
     assert_eq!(a.0, solo[0]);
     assert_eq!(b.0, solo[0]);
     assert_eq!(c.0, solo[1]);
     assert_eq!(a.2.cached_tokens, 0);
     assert!(a.2.prompt_tokens > 800, "{}", a.2.prompt_tokens);
-    assert_eq!(
-        b.2.cached_tokens, b.2.prompt_tokens,
-        "{:?}",
-        b.2.cache_source
-    );
     assert!(
         c.2.cached_tokens > 800,
         "{:?} {}",
         c.2.cache_source,
         c.2.cached_tokens
     );
-    let mut slots = [a.2.slot, b.2.slot, c.2.slot];
-    slots.sort();
-    assert_eq!(slots, [0, 1, 2]);
 }
 
 /// A job waiting for a prompt being prefilled holds up no one behind it: an
@@ -505,20 +510,7 @@ fn jobs_sharing_a_prompt_being_prefilled_start_from_a_copy_of_it() {
 /// the waiting job's fork), and the waiting job still starts from a copy.
 #[test]
 fn jobs_behind_one_waiting_for_a_prefill_start_on_free_slots() {
-    let story = "The harbour was quiet that night, and the keeper watched the sea. ".repeat(60);
-    let same = chat(&story);
-    let rt = Rt::start(3, None, RuntimeConfig::default());
-    let rxs = [
-        rt.submit(&same, 4, &[]),
-        rt.submit(&same, 4, &[]),
-        rt.submit(&chat("What is 2 + 2?"), 4, &[]),
-    ];
-    let [a, b, c] = rxs.map(collect);
-    assert_eq!(
-        b.2.cached_tokens, b.2.prompt_tokens,
-        "{:?}",
-        b.2.cache_source
-    );
+    let [_, b, c] = same_twice_then(&chat("What is 2 + 2?"));
     // B waited for A's prefill (about a second on two threads); C did not.
     assert!(
         c.2.queue_s * 4.0 < b.2.queue_s,
@@ -526,9 +518,6 @@ fn jobs_behind_one_waiting_for_a_prefill_start_on_free_slots() {
         c.2.queue_s,
         b.2.queue_s
     );
-    let mut slots = [a.2.slot, b.2.slot, c.2.slot];
-    slots.sort();
-    assert_eq!(slots, [0, 1, 2]);
 }
 
 /// A client that leaves while its prompt is in the prefill lane: the slot
