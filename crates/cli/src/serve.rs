@@ -280,12 +280,13 @@ fn positive_secs(s: &str) -> Result<f64, String> {
     }
 }
 
-/// A step keeps every row's logits for its draft, at most 64 rows.
+/// A number of draft tokens a step can carry (`ds4_engine::speculate::MAX_DRAFT`).
 pub fn draft_tokens(s: &str) -> Result<usize, String> {
+    use ds4_engine::speculate::MAX_DRAFT;
     match s.parse::<usize>() {
-        Ok(v) if v <= 63 => Ok(v),
+        Ok(v) if v <= MAX_DRAFT => Ok(v),
         _ => Err(format!(
-            "{s:?} is not a number of draft tokens from 0 to 63"
+            "{s:?} is not a number of draft tokens from 0 to {MAX_DRAFT}"
         )),
     }
 }

@@ -65,7 +65,7 @@ pub struct Session {
 /// Most tokens a forward step takes while a session keeps every token's
 /// logits: a step's rows of logits are `n_vocab` floats each (Gemma 3's
 /// 262144: 64 MiB for 64 rows, against 256 MiB at the usual 256-token chunk).
-const SCORED_STEP: usize = 64;
+pub(crate) const SCORED_STEP: usize = 64;
 
 impl Session {
     /// A session whose RoPE scaling is the model's request resolved for

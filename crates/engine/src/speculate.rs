@@ -20,6 +20,10 @@
 //! right against what longer steps cost as measured ([`StepCosts`]), and
 //! drafts nothing where copying does not pay.
 
+/// The most draft tokens a step can carry: a step that keeps every row's
+/// logits takes at most 64 tokens (the session's cap on such steps).
+pub const MAX_DRAFT: usize = crate::session::SCORED_STEP - 1;
+
 /// The shortest suffix of the sequence a draft is looked up by: a match of
 /// one or two tokens says too little about what follows.
 pub const MIN_MATCH: usize = 3;

@@ -504,14 +504,12 @@ struct Choice {
     save_first: bool,
 }
 
-/// What [`Engine::choose`] decides for a waiting job.
-enum Chosen {
-    /// It starts now.
-    Start(Choice),
-    /// It waits for a prompt a busy slot is prefilling, to be forked from it
-    /// into an idle slot the moment that is done.
+/// What a job that cannot start yet waits for ([`Engine::choose`]).
+enum Wait {
+    /// A prompt a busy slot is prefilling, to be forked from it into an idle
+    /// slot the moment that is done.
     Prefill,
-    /// It waits for a slot: any, or the one saving its conversation.
+    /// A slot: any, or the one saving its conversation.
     Slot,
 }
 
@@ -607,16 +605,16 @@ impl Engine {
                 return;
             }
             match self.choose(&self.waiting[i].0) {
-                Chosen::Start(choice) => {
+                Ok(choice) => {
                     let (job, queued) = self.waiting.remove(i).expect("a waiting job");
                     self.prepare_slot(choice);
                     self.start_job(choice.slot, job, queued);
                 }
-                Chosen::Prefill => {
+                Err(Wait::Prefill) => {
                     kept += 1;
                     i += 1;
                 }
-                Chosen::Slot => i += 1,
+                Err(Wait::Slot) => i += 1,
             }
         }
     }
@@ -633,19 +631,13 @@ impl Engine {
     /// 4. the least valuable one: empty first, then the fewest tokens, the
     ///    longest idle.
     ///
-    /// Before those: a job that scores its prompt takes the least valuable
-    /// one; a job sharing more with a prompt being prefilled than any idle
+    /// Before those: a job that scores its prompt takes the one whose last
+    /// scored prompt serves it most, else the least valuable one; a job sharing more with a prompt being prefilled than any idle
     /// slot holds waits for it, then forks from it (see the loop below); a
     /// job sharing more with a conversation being saved waits for it.
-    fn choose(&self, job: &Job) -> Chosen {
-        match self.choice(job) {
-            Ok(c) => Chosen::Start(c),
-            Err(wait) => wait,
-        }
-    }
-
-    /// [`choose`](Self::choose), with what the job waits for as the error.
-    fn choice(&self, job: &Job) -> Result<Choice, Chosen> {
+    ///
+    /// A job that cannot start yet gets what it waits for.
+    fn choose(&self, job: &Job) -> Result<Choice, Wait> {
         let idle = || {
             self.slots
                 .iter()
@@ -673,7 +665,7 @@ impl Engine {
                 .map(|(_, id)| id)
                 .or_else(|| least_valuable(None))
                 .map(at)
-                .ok_or(Chosen::Slot);
+                .ok_or(Wait::Slot);
         }
         // What each idle slot holds of the job: (slot, reusable tokens, tokens
         // it holds beyond them), computed once.
@@ -712,7 +704,7 @@ impl Engine {
                         fork_from: Some(s.id),
                         save_first: false,
                     })
-                    .ok_or(Chosen::Prefill);
+                    .ok_or(Wait::Prefill);
             }
             // Started now, it would prefill all of its tokens beside that
             // prefill, sharing the threads; waiting, the rest of that prefill
@@ -721,7 +713,7 @@ impl Engine {
             // system prompt with a long cold one).
             let left = r.plan.ids.len() - held;
             if r.gen.is_none() && left < job.ids.len() + shared {
-                return Err(Chosen::Prefill);
+                return Err(Wait::Prefill);
             }
         }
         let waits_for_lent = self.slots.iter().any(|s| {
@@ -731,7 +723,7 @@ impl Engine {
             }) || (s.lent.is_some() && job.affinity.iter().any(|k| s.keys.contains(k)))
         });
         if waits_for_lent || reuses.is_empty() {
-            return Err(Chosen::Slot);
+            return Err(Wait::Slot);
         }
         let longest = |keep: &dyn Fn(usize, usize) -> bool| {
             reuses
@@ -763,7 +755,7 @@ impl Engine {
                 },
             });
         }
-        least_valuable(None).map(at).ok_or(Chosen::Slot)
+        least_valuable(None).map(at).ok_or(Wait::Slot)
     }
 
     /// Before a job takes a slot: the state the choice replaces or cuts back is
@@ -950,17 +942,14 @@ impl Engine {
                 self.finish(i, FinishReason::Cancelled, None);
             }
         }
-        let decoding = self
-            .slots
-            .iter()
-            .any(|s| s.run.as_ref().is_some_and(|r| r.pending.is_some()));
-        let mut rows_left = self.batch.max_rows();
-        let mut feeds: Vec<(usize, Feed)> = Vec::new();
         let n_decoding = self
             .slots
             .iter()
             .filter(|s| s.run.as_ref().is_some_and(|r| r.pending.is_some()))
             .count();
+        let decoding = n_decoding > 0;
+        let mut rows_left = self.batch.max_rows();
+        let mut feeds: Vec<(usize, Feed)> = Vec::new();
         // Drafts only for a slot decoding alone: a step of several decoders
         // already reads each weight once for all of them, and a draft's rows
         // both cost more there and stop them sharing the attention over a
