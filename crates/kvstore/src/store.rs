@@ -483,7 +483,7 @@ impl Store {
                 // A folder of its own (stored conversations): not the store's.
                 continue;
             }
-            let stamp = Stamp::of(&meta);
+            let mut stamp = Stamp::of(&meta);
             seen.insert(name.clone());
             if st.files.get(&name).is_some_and(|s| s.stamp == stamp) {
                 continue;
@@ -491,8 +491,13 @@ impl Store {
             let result = match parse_checkpoint_name(&name) {
                 None => Err(Defect::UnrecognizedName),
                 Some(_) if !meta.file_type().is_file() => Err(Defect::NotRegularFile),
-                Some(hash) => match index_file(&path, hash, meta.len()) {
-                    Ok(r) => r,
+                Some(hash) => match index_file(&path, hash) {
+                    // The stamp of the file read, which a writer may have
+                    // renamed over the one listed.
+                    Ok((read, r)) => {
+                        stamp = read;
+                        r
+                    }
                     // Vanished or unreadable right now: try again at the next scan.
                     Err(_) => {
                         seen.remove(&name);
@@ -871,22 +876,9 @@ impl Store {
         let outcome = res?;
         match &outcome {
             SaveOutcome::Saved { .. } | SaveOutcome::Kept { .. } => {
-                if let Ok(meta) = fs::metadata(&path) {
-                    let header = read_header_at(&path).ok().and_then(|r| r.ok());
-                    if let Some(header) = header {
-                        let file_bytes = meta.len();
-                        st.files.insert(
-                            name.clone(),
-                            Scanned {
-                                stamp: Stamp::of(&meta),
-                                result: Ok(Entry {
-                                    hash,
-                                    header,
-                                    file_bytes,
-                                }),
-                            },
-                        );
-                    }
+                if let Ok((stamp, Ok(entry))) = index_file(&path, hash) {
+                    let result = Ok(entry);
+                    st.files.insert(name.clone(), Scanned { stamp, result });
                 }
                 if matches!(outcome, SaveOutcome::Saved { .. }) {
                     self.evict_locked(&mut st, Some(&name), now_unix())?;
@@ -1337,10 +1329,6 @@ fn read_header(f: &File) -> io::Result<Result<Header, Defect>> {
     }
 }
 
-fn read_header_at(path: &Path) -> io::Result<Result<Header, Defect>> {
-    read_header(&File::open(path)?)
-}
-
 fn read_full_at(f: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     let mut n = 0;
     while n < buf.len() {
@@ -1354,27 +1342,36 @@ fn read_full_at(f: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     Ok(n)
 }
 
-/// Index one file from its header: `Ok(Err(defect))` for a bad file, `Err` for I/O.
-fn index_file(path: &Path, hash: [u8; 20], len: u64) -> io::Result<Result<Entry, Defect>> {
+/// Index one file from its header, with the stamp of the file read (its size
+/// and header from one open file: a save renames a new file over the name at
+/// any moment): `Ok(Err(defect))` for a bad file, `Err` for I/O.
+fn index_file(path: &Path, hash: [u8; 20]) -> io::Result<(Stamp, Result<Entry, Defect>)> {
+    let f = File::open(path)?;
+    let meta = f.metadata()?;
+    let (stamp, len) = (Stamp::of(&meta), meta.len());
     if len == 0 {
-        return Ok(Err(Defect::Empty));
+        return Ok((stamp, Err(Defect::Empty)));
     }
-    let header = match read_header_at(path)? {
+    let header = match read_header(&f)? {
         Ok(h) => h,
-        Err(d) => return Ok(Err(d)),
+        Err(d) => return Ok((stamp, Err(d))),
     };
     let expected = header.file_bytes().expect("checked by decode");
     if expected != len {
-        return Ok(Err(Defect::SizeMismatch {
-            actual: len,
-            expected,
-        }));
+        return Ok((
+            stamp,
+            Err(Defect::SizeMismatch {
+                actual: len,
+                expected,
+            }),
+        ));
     }
-    Ok(Ok(Entry {
+    let entry = Entry {
         hash,
         header,
         file_bytes: len,
-    }))
+    };
+    Ok((stamp, Ok(entry)))
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
