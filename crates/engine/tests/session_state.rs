@@ -424,8 +424,12 @@ fn payloads_do_not_cross_families() {
 }
 
 /// A version-1 payload (written before payloads described their state: SmolLM2,
-/// f16 K/V, "The capital of France is", prefill chunk 16) still loads, and
-/// gives bitwise the logits and continuation of a fresh run.
+/// f16 K/V, "The capital of France is", prefill chunk 16) still loads: its state
+/// is a fresh run's, as the build that wrote it computed it. That build's SiLU
+/// took libm's `expf` where this one takes the kernels' `exp` (within 2 ulp),
+/// so its logits are a fresh run's to within the fast path's scatter (0.0053
+/// measured; f16 K/V alone moves them ~0.01), not bitwise; a misread K/V row
+/// or head would move them by whole nats.
 #[test]
 fn version_1_payloads_still_load() {
     let f = &families::SMOLLM2;
@@ -439,8 +443,20 @@ fn version_1_payloads_still_load() {
     assert_eq!(old.tokens(), &[504, 3575, 282, 4649, 314]);
     let mut fresh = session_kv(f, 64, Precision::Fast, KvType::F16);
     fresh.prefill(old.tokens()).unwrap();
-    assert!(bits(&old) == bits(&fresh));
+    let worst = |a: &Session, b: &Session| {
+        let (a, b) = (a.logits().unwrap(), b.logits().unwrap());
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max)
+    };
+    let d = worst(&old, &fresh);
+    assert!(d < 0.02, "loaded logits differ from a fresh run's by {d}");
+    // The continuation reads the loaded K/V rows.
     assert_eq!(greedy(&mut old, 5), greedy(&mut fresh, 5));
+    let d = worst(&old, &fresh);
+    assert!(d < 0.02, "after 5 tokens the logits differ by {d}");
     // Its K/V type is checked like a current payload's.
     let mut f32s = session_kv(f, 64, Precision::Fast, KvType::F32);
     let e = f32s.load_payload(&mut bytes.as_slice()).unwrap_err();
