@@ -1320,6 +1320,13 @@ fn bench_fast() {
         );
         let w5: Vec<BlockQ5_0> = random_blocks(&mut rng, nb * n_out, 1, Scales::Typical);
         let p5 = crate::act16::F2Matrix::pack(&w5, nb);
+        // The pair layout, which the engine packs these formats in on the
+        // tiers that have it (`matmul.rs`): their F2 timings are the engine's.
+        let (q4p, q8p, q5p) = (
+            crate::act16::F2Matrix::pack_pairs(&w4, nb),
+            crate::act16::F2Matrix::pack_pairs(&w8, nb),
+            crate::act16::F2Matrix::pack_pairs(&w5, nb),
+        );
         let p58 = crate::act16::F2Matrix::pack(&q5_0::to_q8_0(&w5), nb);
         let mut y8 = vec![BlockQ8_0::ZERO; nb];
         q8_0::quantize_row_ref(&x, &mut y8);
@@ -1339,6 +1346,10 @@ fn bench_fast() {
         let mut wf = vec![0.0; 16 * n_in];
         let mut o = [0.0; 12];
         for k in &simd {
+            let (f4, f8, f5) = match k.f2_pairs {
+                true => (&q4p, &q8p, &q5p),
+                false => (&p4, &p8, &p5),
+            };
             let f1_4 = best_ns(|| {
                 for (r, o) in w4.chunks_exact(nb).zip(out.iter_mut()) {
                     (k.dequantize_row_q4_1)(r, &mut row);
@@ -1361,8 +1372,8 @@ fn bench_fast() {
                 q8_blocks / 1e3,
                 q8_packed / 1e3
             );
-            let f2_4 = best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..n_out)), &a1, &mut out));
-            let f2_8 = best_ns(|| (k.gemm_q8_0_act16)(black_box(p8.rows(0..n_out)), &a1, &mut out));
+            let f2_4 = best_ns(|| (k.gemm_q4_1_act16)(black_box(f4.rows(0..n_out)), &a1, &mut out));
+            let f2_8 = best_ns(|| (k.gemm_q8_0_act16)(black_box(f8.rows(0..n_out)), &a1, &mut out));
             println!(
                 "{n_in}x{n_out} [{}] one token, dequantize + F1 dot vs 16-bit activations (F2): \
                  q4_1 {:8.1} / {:8.1} us | q8_0 {:8.1} / {:8.1} us",
@@ -1380,7 +1391,7 @@ fn bench_fast() {
                     a.quantize(&xs[..n * n_in], n_in);
                     let mut o = vec![0.0; n * n_out];
                     let ns =
-                        best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..n_out)), &a, &mut o));
+                        best_ns(|| (k.gemm_q4_1_act16)(black_box(f4.rows(0..n_out)), &a, &mut o));
                     format!("{n}: {:.1}", ns / 1e3)
                 })
                 .collect();
@@ -1392,11 +1403,11 @@ fn bench_fast() {
             // Q5_0 as it is against the Q8_0 blocks holding its values (what
             // the fast path ran it from before).
             let (one5, one58) = (
-                best_ns(|| (k.gemm_q5_0_act16)(black_box(p5.rows(0..n_out)), &a1, &mut out)),
+                best_ns(|| (k.gemm_q5_0_act16)(black_box(f5.rows(0..n_out)), &a1, &mut out)),
                 best_ns(|| (k.gemm_q8_0_act16)(black_box(p58.rows(0..n_out)), &a1, &mut out)),
             );
             let (pre5, pre58) = (
-                best_ns(|| (k.gemm_q5_0_act16)(black_box(p5.rows(0..rows_p)), &a256, &mut o256)),
+                best_ns(|| (k.gemm_q5_0_act16)(black_box(f5.rows(0..rows_p)), &a256, &mut o256)),
                 best_ns(|| (k.gemm_q8_0_act16)(black_box(p58.rows(0..rows_p)), &a256, &mut o256)),
             );
             println!(
@@ -1408,9 +1419,9 @@ fn bench_fast() {
                 (rows_p * toks_p * n_in) as f64 / pre5,
                 (rows_p * toks_p * n_in) as f64 / pre58
             );
-            let f2 = best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..rows)), &a64, &mut o64));
+            let f2 = best_ns(|| (k.gemm_q4_1_act16)(black_box(f4.rows(0..rows)), &a64, &mut o64));
             let f2p =
-                best_ns(|| (k.gemm_q4_1_act16)(black_box(p4.rows(0..rows_p)), &a256, &mut o256));
+                best_ns(|| (k.gemm_q4_1_act16)(black_box(f4.rows(0..rows_p)), &a256, &mut o256));
             println!(
                 "  [{}] F2 gemm q4_1: {:.2} MAC/ns (64 tokens x 96 rows), {:.2} MAC/ns \
                  ({toks_p} x {rows_p})",
