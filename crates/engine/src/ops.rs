@@ -779,19 +779,18 @@ mod tests {
         }
     }
 
-    #[test]
-    fn geglu_is_the_tanh_gelu_times_up() {
+    /// `gated(gate, up)` against `act(x)·up` in f64, over more than one chunk
+    /// of 64 with a short last one, saturating inputs and both zeros.
+    fn check_gated(gated: fn(&mut [f32], &[f32]), act: impl Fn(f64) -> f64) {
         let xs: Vec<f32> = (-400..=400)
             .map(|i| i as f32 * 0.05)
-            .chain([-90.0, 90.0])
+            .chain([-90.0, 90.0, 0.0, -0.0])
             .collect();
         let mut g = xs.clone();
         let up: Vec<f32> = xs.iter().map(|x| 1.0 + 0.25 * x.sin()).collect();
-        geglu(&mut g, &up);
+        gated(&mut g, &up);
         for ((&x, &got), &u) in xs.iter().zip(&g).zip(&up) {
-            let xd = f64::from(x);
-            let t = ((2.0 / std::f64::consts::PI).sqrt() * (xd + 0.044715 * xd.powi(3))).tanh();
-            let want = 0.5 * xd * (1.0 + t) * f64::from(u);
+            let want = act(f64::from(x)) * f64::from(u);
             assert!(
                 (f64::from(got) - want).abs() <= 1e-6 * (1.0 + want.abs()),
                 "x {x}: {got} vs {want}"
@@ -800,23 +799,16 @@ mod tests {
     }
 
     #[test]
+    fn geglu_is_the_tanh_gelu_times_up() {
+        check_gated(geglu, |x| {
+            let t = ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh();
+            0.5 * x * (1.0 + t)
+        });
+    }
+
+    #[test]
     fn swiglu_is_silu_times_up() {
-        // More than one chunk of 64, and a short last one.
-        let xs: Vec<f32> = (-400..=400)
-            .map(|i| i as f32 * 0.05)
-            .chain([-90.0, 90.0, 0.0, -0.0])
-            .collect();
-        let mut g = xs.clone();
-        let up: Vec<f32> = xs.iter().map(|x| 1.0 + 0.25 * x.sin()).collect();
-        swiglu(&mut g, &up);
-        for ((&x, &got), &u) in xs.iter().zip(&g).zip(&up) {
-            let xd = f64::from(x);
-            let want = xd / (1.0 + (-xd).exp()) * f64::from(u);
-            assert!(
-                (f64::from(got) - want).abs() <= 1e-6 * (1.0 + want.abs()),
-                "x {x}: {got} vs {want}"
-            );
-        }
+        check_gated(swiglu, |x| x / (1.0 + (-x).exp()));
     }
 
     #[test]
