@@ -233,7 +233,8 @@ impl RowUnits {
 /// Runs `product`, which fills `out[t * rows.len() + r]` for this thread's rows
 /// `rows` of `w` and every token, and puts each token's values in place (row
 /// `rows.start + r` of token `t` of `ptr`'s output of `n_tokens · w.n_out`).
-/// One token writes in place; more go through a per-thread buffer.
+/// One token, or every row (one thread), writes in place; more tokens of some
+/// rows go through a per-thread buffer.
 fn batched_rows(
     w: &WeightMatrix<'_>,
     n_tokens: usize,
@@ -241,10 +242,11 @@ fn batched_rows(
     ptr: OutPtr,
     product: impl FnOnce(&mut [f32]),
 ) {
-    if n_tokens == 1 {
-        // SAFETY: the rows lie inside the output (rows.end <= n_out) and belong
-        // to this unit of work alone (`RowUnits`).
-        return product(unsafe { ptr.slice(rows.start, rows.len()) });
+    if n_tokens == 1 || rows.len() == w.n_out {
+        // SAFETY: the rows lie inside the output (rows.end <= n_out; all of
+        // them for more than one token) and belong to this unit of work alone
+        // (`RowUnits`).
+        return product(unsafe { ptr.slice(rows.start, n_tokens * rows.len()) });
     }
     ROW_SCRATCH.with_borrow_mut(|local| {
         // Grown, never shrunk: the product writes every value, and a vector

@@ -357,7 +357,8 @@ fn load8(v: &[f32], at: usize) -> __m512 {
 }
 
 /// A panel of rows' quants widened for [`tile_pairs`] ([`Block16x2::quants_dup`],
-/// per row its blocks in order), and the activations of one fill of an
+/// per row its blocks in order) and their heads (per row and chunk its `d`s
+/// and second heads, each duplicated lane by lane), and the activations of one fill of an
 /// [`Act16`] (`acts_id`, its [`Act16::fill_id`]) interleaved by pairs of tokens
 /// (per pair its blocks in order, `[even, odd]` elements; and per pair and
 /// chunk of eight blocks the interleaved scales `s` and sums `σ`), kept across
@@ -366,6 +367,7 @@ fn load8(v: &[f32], at: usize) -> __m512 {
 #[derive(Default)]
 struct PairScratch {
     quants: Vec<[__m512i; 2]>,
+    heads: Vec<[__m512; 2]>,
     acts_id: u64,
     acts: Vec<[__m512i; 2]>,
     scales: Vec<[__m512; 2]>,
@@ -396,6 +398,33 @@ fn widen_panel<B: Block16x2>(
                 // F/BW are enabled here.
                 out.push(unsafe { B::quants_dup(q.as_ptr().add(j * B::QUANT_BYTES)) });
             }
+        }
+    }
+}
+
+/// The heads of rows `rows` of `w` into `out` (per row, per chunk: its `d`s
+/// and second heads, each duplicated lane by lane), once per panel rather
+/// than in every tile that takes the row: the conversions, permutations and
+/// their addressing were 12% of the batched product's time in a SmolLM2
+/// prefill (rows of 576: three chunks per tile), 3% now.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn widen_heads<B: Block16x2>(
+    w: &F2Rows<'_, B>,
+    rows: std::ops::Range<usize>,
+    out: &mut Vec<[__m512; 2]>,
+) {
+    out.clear();
+    for r in rows {
+        for c in 0..w.nb.div_ceil(CHUNK) {
+            let (d, m) = match w.layout {
+                F2Layout::Pairs => pairs::heads(w, r, c),
+                F2Layout::Rows => f2_heads::<B>(&w.bytes[r * w.row_bytes() + c * B::CHUNK_BYTES..]),
+            };
+            out.push([
+                _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(d)),
+                _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(m)),
+            ]);
         }
     }
 }
@@ -431,37 +460,22 @@ fn interleave_tokens(acts: &Act16, sc: &mut PairScratch) {
     sc.acts_id = acts.fill_id();
 }
 
-/// One batched tile of order F2: `R` rows (`rows`, indices into `w`; their
-/// widened quants `quants`) against `TP` token pairs (interleaved in `acts`
-/// and `scales`), `R·TP` registers of two accumulators. Per chunk of eight
-/// blocks each row's `d` and `m` are one load each, duplicated lane by lane,
-/// and each (row, pair)'s products `d·s` formed sixteen wide; per block each
-/// row's quants and each pair's activations are loaded once.
+/// One batched tile of order F2: `R` rows (their widened quants `quants` and
+/// heads `heads`, [`widen_heads`]) against `TP` token pairs (interleaved in
+/// `acts` and `scales`), `R·TP` registers of two accumulators. Per chunk of
+/// eight blocks each (row, pair)'s products `d·s` are formed sixteen wide;
+/// per block each row's quants and each pair's activations are loaded once.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)] // r and p index several arrays at once
 fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
-    w: &F2Rows<'_, B>,
-    rows: [usize; R],
     quants: [&[[__m512i; 2]]; R],
+    heads: [&[[__m512; 2]]; R],
     acts: [&[[__m512i; 2]]; TP],
     scales: [&[[__m512; 2]]; TP],
 ) -> [[[f32; 2]; TP]; R] {
-    let nb = w.nb;
+    let nb = quants[0].len();
     let n_chunks = nb.div_ceil(CHUNK);
-    // Row r's d and second heads of chunk c, each duplicated lane by lane.
-    let heads = |r: usize, c: usize| {
-        let (d, m) = match w.layout {
-            F2Layout::Pairs => pairs::heads(w, rows[r], c),
-            F2Layout::Rows => {
-                f2_heads::<B>(&w.bytes[rows[r] * w.row_bytes() + c * B::CHUNK_BYTES..])
-            }
-        };
-        (
-            _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(d)),
-            _mm512_permutexvar_ps(DUP_LOW8, _mm512_castps256_ps512(m)),
-        )
-    };
     let mut acc = [[_mm512_setzero_ps(); TP]; R];
     let mut cs = [[_mm512_setzero_ps(); TP]; R];
     // A split block's second scales, `d2·s`.
@@ -474,7 +488,7 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
         let (c, j) = (b / CHUNK, b % CHUNK);
         if j == 0 {
             for r in 0..R {
-                let (d, m) = heads(r, c);
+                let [d, m] = heads[r][c];
                 for p in 0..TP {
                     let s = scales[p][c][0];
                     cs[r][p] = _mm512_mul_ps(d, s);
@@ -514,7 +528,7 @@ fn tile_pairs<B: Block16x2, const R: usize, const TP: usize>(
     if B::HAS_MIN {
         for c in 0..n_chunks {
             for r in 0..R {
-                let (_, m) = heads(r, c);
+                let m = heads[r][c][1];
                 for p in 0..TP {
                     macc[r][p] = _mm512_fmadd_ps(m, scales[p][c][1], macc[r][p]);
                 }
@@ -833,6 +847,7 @@ fn gem16<B: Block16x2>(w: F2Rows<'_, B>, acts: &Act16, out: &mut [f32]) {
                 true => pairs::widen_panel(&w, p0..p1, &mut sc.quants),
                 false => widen_panel(&w, p0..p1, &mut sc.quants),
             }
+            widen_heads(&w, p0..p1, &mut sc.heads);
             for g0 in (0..n_pairs).step_by(TILE_PAIRS) {
                 // Pairs g0.. of the group, the last one repeated past the end.
                 let (mut acts, mut scales) = ([&[][..]; TILE_PAIRS], [&[][..]; TILE_PAIRS]);
@@ -843,12 +858,13 @@ fn gem16<B: Block16x2>(w: F2Rows<'_, B>, acts: &Act16, out: &mut [f32]) {
                 }
                 let (t0, n_t) = (2 * g0, (n_tok - 2 * g0).min(2 * TILE_PAIRS));
                 for r0 in (p0..p1).step_by(TILE_ROWS) {
-                    let (mut rows, mut quants) = ([0; TILE_ROWS], [&[][..]; TILE_ROWS]);
+                    let (mut quants, mut heads) = ([&[][..]; TILE_ROWS], [&[][..]; TILE_ROWS]);
                     for k in 0..TILE_ROWS {
-                        rows[k] = (r0 + k).min(p1 - 1);
-                        quants[k] = &sc.quants[(rows[k] - p0) * nb..(rows[k] - p0 + 1) * nb];
+                        let r = (r0 + k).min(p1 - 1) - p0;
+                        quants[k] = &sc.quants[r * nb..(r + 1) * nb];
+                        heads[k] = &sc.heads[r * n_chunks..(r + 1) * n_chunks];
                     }
-                    let v = tile_pairs::<B, TILE_ROWS, TILE_PAIRS>(&w, rows, quants, acts, scales);
+                    let v = tile_pairs::<B, TILE_ROWS, TILE_PAIRS>(quants, heads, acts, scales);
                     let n_r = (p1 - r0).min(TILE_ROWS);
                     for (r, v) in v.iter().enumerate().take(n_r) {
                         for (t, v) in v.as_flattened().iter().enumerate().take(n_t) {

@@ -83,8 +83,11 @@ pub(super) fn widen_panel<B: Block16x2>(
         super::lanes([0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14]),
         super::lanes([1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15]),
     ];
-    out.clear();
-    out.resize(rows.len() * nb, [_mm512_setzero_si512(); 2]);
+    // Grown, never shrunk or cleared: every block of the panel is written
+    // below (zeroing it first was 2% of the batched product).
+    if out.len() < rows.len() * nb {
+        out.resize(rows.len() * nb, [_mm512_setzero_si512(); 2]);
+    }
     for r0 in rows.clone().step_by(2) {
         let mut at = r0 / 2 * pb;
         for c in 0..nb.div_ceil(CHUNK) {
