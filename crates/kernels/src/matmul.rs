@@ -259,12 +259,42 @@ fn batched_rows(
         let local = &mut local[..len];
         product(local);
         for (t, lt) in local.chunks_exact(rows.len()).enumerate() {
+            prefetch_for_write(
+                ptr.0.wrapping_add((t + COPY_AHEAD) * w.n_out + rows.start),
+                rows.len(),
+            );
             // SAFETY: this unit's rows of token t lie inside the output and
             // belong to this unit alone (`RowUnits`).
             let o = unsafe { ptr.slice(t * w.n_out + rows.start, rows.len()) };
             o.copy_from_slice(lt);
         }
     });
+}
+
+/// Tokens ahead of the copy whose output lines [`batched_rows`] requests: the
+/// copy's stores missed in cache on every line (each token's rows of a unit
+/// are a few lines of a different output row), and one miss at a time made
+/// it 5.3% of a 2-thread SmolLM2 pp512 on the Emerald Rapids VM; requested
+/// ahead, 1.6% (with 2% in the requests), pp512 1-3% faster.
+const COPY_AHEAD: usize = 4;
+
+/// Asks for the cache lines of `len` values from `p` (lines no other core holds
+/// come in exclusive, so the stores that follow need no further request). A
+/// hint: never faults, whatever `p` (which `wrapping_add` may have formed past
+/// the end).
+#[inline]
+fn prefetch_for_write(p: *mut f32, len: usize) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, len);
+    #[cfg(target_arch = "x86_64")]
+    for l in (0..len).step_by(16) {
+        // SAFETY: a prefetch never faults, on any address.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                p.wrapping_add(l).cast(),
+            )
+        };
+    }
 }
 
 thread_local! {
