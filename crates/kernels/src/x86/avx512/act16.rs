@@ -357,13 +357,12 @@ fn load8(v: &[f32], at: usize) -> __m512 {
 }
 
 /// A panel of rows' quants widened for [`tile_pairs`] ([`Block16x2::quants_dup`],
-/// per row its blocks in order) and their heads (per row and chunk its `d`s
-/// and second heads, each duplicated lane by lane), and the activations of one fill of an
-/// [`Act16`] (`acts_id`, its [`Act16::fill_id`]) interleaved by pairs of tokens
-/// (per pair its blocks in order, `[even, odd]` elements; and per pair and
-/// chunk of eight blocks the interleaved scales `s` and sums `σ`), kept across
-/// calls: every unit of rows and every matrix of a call takes the same
-/// activations.
+/// per row its blocks in order) and their heads ([`widen_heads`]), and the
+/// activations of one fill of an [`Act16`] (`acts_id`, its [`Act16::fill_id`])
+/// interleaved by pairs of tokens (per pair its blocks in order, `[even, odd]`
+/// elements; and per pair and chunk of eight blocks the interleaved scales `s`
+/// and sums `σ`), kept across calls: every unit of rows and every matrix of a
+/// call takes the same activations.
 #[derive(Default)]
 struct PairScratch {
     quants: Vec<[__m512i; 2]>,
